@@ -1,0 +1,117 @@
+"""``edge-agent`` command line. Exit codes: 0 ok, 1 unhealthy / check failed, 2 usage or config."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+
+from edge_agent import __version__
+from edge_agent.app import Agent
+from edge_agent.config import DEFAULT_CONFIG_PATH, Config, load_config
+from edge_agent.errors import ConfigError, EdgeAgentError
+from edge_agent.health import collect_status, render_status
+from edge_agent.island import render_config, write_config
+from edge_agent.logs import configure_logging
+
+EXIT_OK, EXIT_UNHEALTHY, EXIT_USAGE = 0, 1, 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="edge-agent", description=__doc__)
+    parser.add_argument("--version", action="version", version=__version__)
+    parser.add_argument(
+        "-c",
+        "--config",
+        type=Path,
+        default=Path(os.environ.get("EDGE_AGENT_CONFIG", DEFAULT_CONFIG_PATH)),
+        help="agent config file (default: $EDGE_AGENT_CONFIG or %(default)s)",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run the agent until SIGTERM")
+    run.add_argument("--log-level", default="info")
+
+    status = sub.add_parser("status", help="island, link, streams and mirror health")
+    status.add_argument("--json", action="store_true", help="machine-readable output")
+    status.add_argument(
+        "--require-link", action="store_true", help="count a leaf link that is down as unhealthy"
+    )
+
+    render = sub.add_parser("render-nats-config", help="write the island's nats-server config")
+    render.add_argument(
+        "-o", "--output", type=Path, help="write here instead of island.config_path ('-': stdout)"
+    )
+
+    sub.add_parser("check-config", help="load the config and report the first problem")
+    return parser
+
+
+def _run(config: Config, log_level: str) -> int:
+    configure_logging(log_level)
+
+    async def main() -> None:
+        shutdown = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, shutdown.set)
+        await Agent(config, shutdown).run()
+
+    asyncio.run(main())
+    return EXIT_OK
+
+
+def _status(config: Config, as_json: bool, require_link: bool) -> int:
+    status = asyncio.run(collect_status(config))
+    if require_link and not status.link.up:
+        status.problems.append("leaf link to the hub is down")
+    if as_json:
+        print(json.dumps(status.to_dict(), indent=2))
+    else:
+        print(render_status(status))
+    return EXIT_OK if status.healthy else EXIT_UNHEALTHY
+
+
+def _render(config: Config, output: Path | None) -> int:
+    if output is None:
+        print(write_config(config))
+    elif str(output) == "-":
+        sys.stdout.write(render_config(config))
+    else:
+        write_config(_with_config_path(config, output))
+        print(output)
+    return EXIT_OK
+
+
+def _with_config_path(config: Config, path: Path) -> Config:
+    return replace(config, island=replace(config.island, config_path=path))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        config = load_config(args.config)
+        if args.command == "run":
+            return _run(config, args.log_level)
+        if args.command == "status":
+            return _status(config, args.json, args.require_link)
+        if args.command == "render-nats-config":
+            return _render(config, args.output)
+        print(f"{args.config}: ok")
+        return EXIT_OK
+    except ConfigError as exc:
+        print(f"edge-agent: config error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except EdgeAgentError as exc:
+        print(f"edge-agent: {exc}", file=sys.stderr)
+        return EXIT_UNHEALTHY
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,213 @@
+"""The agent's configuration: one TOML file, loaded into frozen, typed dataclasses.
+
+Every value is checked once, here; an unknown key or a bad value is a `ConfigError` that names
+the key (``island.max_file_store: expected size like "2GiB", got 'lots'``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from edge_agent.errors import ConfigError
+from edge_agent.tomlconf import Section, host_port, identifier, path, read_toml, string, url_list
+from edge_agent.units import parse_duration, parse_size
+
+DEFAULT_CONFIG_PATH = Path("/etc/edge-agent/agent.toml")
+
+Supervise = Literal["child", "external"]
+
+
+@dataclass(frozen=True, slots=True)
+class Listen:
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+@dataclass(frozen=True, slots=True)
+class IslandConfig:
+    domain: str
+    server_name: str
+    store_dir: Path
+    max_file_store: int
+    max_memory_store: int
+    client_listen: Listen
+    monitor_listen: Listen
+    supervise: Supervise
+    nats_server: str
+    config_path: Path
+
+    @property
+    def client_url(self) -> str:
+        return f"nats://{self.client_listen}"
+
+    @property
+    def monitor_url(self) -> str:
+        return f"http://{self.monitor_listen}"
+
+
+@dataclass(frozen=True, slots=True)
+class TlsConfig:
+    ca_file: Path | None
+    cert_file: Path | None
+    key_file: Path | None
+
+
+@dataclass(frozen=True, slots=True)
+class HubLinkConfig:
+    urls: tuple[str, ...]
+    domain: str
+    credentials: Path | None
+    tls: TlsConfig | None
+    reconnect: float
+
+    @property
+    def api_prefix(self) -> str:
+        return f"$JS.{self.domain}.API"
+
+
+@dataclass(frozen=True, slots=True)
+class StreamBudget:
+    max_bytes: int
+    max_age: float  # seconds; 0 keeps messages until the byte budget forces them out
+
+
+@dataclass(frozen=True, slots=True)
+class StreamsConfig:
+    telemetry: StreamBudget
+    events: StreamBudget
+    commands: StreamBudget
+
+
+@dataclass(frozen=True, slots=True)
+class AgentConfig:
+    state_dir: Path
+    heartbeat_interval: float
+    link_poll_interval: float
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    device_id: str
+    island: IslandConfig
+    hub: HubLinkConfig
+    streams: StreamsConfig
+    agent: AgentConfig
+    source: Path | None = None
+
+
+def _positive_duration(value: object) -> float:
+    seconds = parse_duration(value)
+    if seconds <= 0:
+        raise ValueError(f"expected a duration > 0, got {value!r}")
+    return seconds
+
+
+def _loopback_listen(value: object) -> Listen:
+    return Listen(*host_port(value, loopback=True))
+
+
+def _supervise(value: object) -> Supervise:
+    if value == "child":
+        return "child"
+    if value == "external":
+        return "external"
+    raise ValueError(f'expected "child" or "external", got {value!r}')
+
+
+def _budget(section: Section, max_bytes: int) -> StreamBudget:
+    budget = StreamBudget(
+        max_bytes=section.get("max_bytes", parse_size, max_bytes),
+        max_age=section.get("max_age", parse_duration, 0.0),
+    )
+    section.finish()
+    return budget
+
+
+def _tls(section: Section) -> TlsConfig | None:
+    if not any(section.has(k) for k in ("ca_file", "cert_file", "key_file")):
+        section.finish()
+        return None
+    tls = TlsConfig(
+        ca_file=section.get("ca_file", path, None),
+        cert_file=section.get("cert_file", path, None),
+        key_file=section.get("key_file", path, None),
+    )
+    section.finish()
+    if (tls.cert_file is None) != (tls.key_file is None):
+        raise ConfigError(section.key("cert_file"), "cert_file and key_file go together")
+    return tls
+
+
+def parse_config(data: dict[str, Any], source: Path | None = None) -> Config:
+    """Build a `Config` from a parsed TOML document."""
+    root = Section(data)
+    device_id = root.get("device_id", identifier)
+
+    agent_sec = root.table("agent")
+    agent = AgentConfig(
+        state_dir=agent_sec.get("state_dir", path, Path("/var/lib/edge-agent")),
+        heartbeat_interval=agent_sec.get("heartbeat_interval", _positive_duration, 30.0),
+        link_poll_interval=agent_sec.get("link_poll_interval", _positive_duration, 0.5),
+    )
+    agent_sec.finish()
+
+    isl = root.table("island")
+    island = IslandConfig(
+        domain=isl.get("domain", identifier, f"edge-{device_id}"),
+        server_name=isl.get("server_name", identifier, f"edge-{device_id}"),
+        store_dir=isl.get("store_dir", path, agent.state_dir / "jetstream"),
+        # Required: nats-server would otherwise take 75% of the disk free at start-up.
+        max_file_store=isl.get("max_file_store", parse_size),
+        max_memory_store=isl.get("max_memory_store", parse_size, 64 * 1024**2),
+        client_listen=isl.get("client_listen", _loopback_listen, Listen("127.0.0.1", 4222)),
+        monitor_listen=isl.get("monitor_listen", _loopback_listen, Listen("127.0.0.1", 8222)),
+        supervise=isl.get("supervise", _supervise, "external"),
+        nats_server=isl.get("nats_server", string, "nats-server"),
+        config_path=isl.get("config_path", path, agent.state_dir / "nats-server.conf"),
+    )
+    isl.finish()
+
+    hub_sec = root.table("hub")
+    hub = HubLinkConfig(
+        urls=hub_sec.get("urls", url_list),
+        domain=hub_sec.get("domain", identifier, "hub"),
+        credentials=hub_sec.get("credentials", path, None),
+        tls=_tls(hub_sec.table("tls")),
+        reconnect=hub_sec.get("reconnect", _positive_duration, 0.25),
+    )
+    hub_sec.finish()
+    if hub.domain == island.domain:
+        raise ConfigError("hub.domain", f"must differ from island.domain ({island.domain!r})")
+
+    streams_sec = root.table("streams")
+    # Default budgets split the store; each stream's max_bytes is reserved in JetStream, so
+    # telemetry filling up can never evict events, results or commands.
+    total = island.max_file_store
+    streams = StreamsConfig(
+        telemetry=_budget(streams_sec.table("telemetry"), total * 70 // 100),
+        events=_budget(streams_sec.table("events"), total * 15 // 100),
+        commands=_budget(streams_sec.table("commands"), total * 5 // 100),
+    )
+    streams_sec.finish()
+    budgets = streams.telemetry.max_bytes + streams.events.max_bytes + streams.commands.max_bytes
+    if budgets > total:
+        raise ConfigError(
+            "streams",
+            f"budgets add up to {budgets} bytes, more than island.max_file_store ({total})",
+        )
+    for name in ("telemetry", "events", "commands"):
+        if getattr(streams, name).max_bytes <= 0:
+            raise ConfigError(f"streams.{name}.max_bytes", "must be > 0")
+
+    root.finish()
+    return Config(device_id, island, hub, streams, agent, source)
+
+
+def load_config(config_path: Path) -> Config:
+    """Read and check the TOML file at `config_path`."""
+    return parse_config(read_toml(config_path), source=config_path)

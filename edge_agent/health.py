@@ -1,0 +1,234 @@
+"""Health of the device: the island, the leaf link, the streams and the command mirror.
+
+Everything is read from the island's monitoring endpoint, so ``edge-agent status`` works with
+no NATS credentials and even while the agent itself is down. The agent adds what only it
+knows (when the link last changed state) in small JSON files under its state directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from edge_agent.config import Config
+from edge_agent.errors import IslandUnavailable
+from edge_agent.island import Monitor
+from edge_agent.streams import COMMANDS, EVENTS, TELEMETRY
+
+log = structlog.get_logger(__name__)
+
+BUDGET_WARN_PCT = 90.0
+
+
+@dataclass(frozen=True, slots=True)
+class LinkState:
+    up: bool
+    since: str | None  # ISO-8601 UTC of the last change the agent saw, None if unknown
+
+
+@dataclass(frozen=True, slots=True)
+class StreamStatus:
+    name: str
+    messages: int
+    bytes: int
+    max_bytes: int
+    budget_used_pct: float
+    first_seq: int
+    last_seq: int
+    # Messages removed from the device before anyone could have read them all: the budget or
+    # max_age forced them out. The hub's sourcing may still have copied some of them.
+    dropped: int
+
+
+@dataclass(frozen=True, slots=True)
+class MirrorStatus:
+    lag: int
+    last_contact_s: float | None
+    error: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Status:
+    device_id: str
+    island_up: bool
+    link: LinkState
+    streams: dict[str, StreamStatus] = field(default_factory=dict)
+    mirror: MirrorStatus | None = None
+    problems: list[str] = field(default_factory=list)
+    checked_at: str = ""
+
+    @property
+    def healthy(self) -> bool:
+        return not self.problems
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["healthy"] = self.healthy
+        return out
+
+
+def utc_now_iso() -> str:
+    return datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data), encoding="utf-8")
+    tmp.replace(path)
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+class LinkTracker:
+    """Remembers when the leaf link last went up or down, for ``status`` and heartbeats."""
+
+    def __init__(self, config: Config, monitor: Monitor) -> None:
+        self._path = config.agent.state_dir / "link.json"
+        self._monitor = monitor
+        self.state = LinkState(False, None)
+
+    async def poll(self) -> LinkState:
+        try:
+            up = await self._monitor.leaf_connected()
+        except IslandUnavailable:
+            up = False
+        if up != self.state.up or self.state.since is None:
+            self.state = LinkState(up, utc_now_iso())
+            _write_json(self._path, asdict(self.state))
+            log.info("link_restored" if up else "link_lost", since=self.state.since)
+        return self.state
+
+
+def _stream_status(detail: dict[str, Any]) -> StreamStatus:
+    state = detail.get("state") or {}
+    config = detail.get("config") or {}
+    max_bytes = int(config.get("max_bytes", -1))
+    used = int(state.get("bytes", 0))
+    first_seq = int(state.get("first_seq", 0))
+    return StreamStatus(
+        name=str(detail.get("name")),
+        messages=int(state.get("messages", 0)),
+        bytes=used,
+        max_bytes=max_bytes,
+        budget_used_pct=round(100.0 * used / max_bytes, 1) if max_bytes > 0 else 0.0,
+        first_seq=first_seq,
+        last_seq=int(state.get("last_seq", 0)),
+        dropped=max(first_seq - 1, 0),
+    )
+
+
+def _mirror_status(detail: dict[str, Any]) -> MirrorStatus | None:
+    mirror = detail.get("mirror")
+    if not mirror:
+        return None
+    active_ns = mirror.get("active")
+    error = mirror.get("error")
+    return MirrorStatus(
+        lag=int(mirror.get("lag", 0)),
+        last_contact_s=round(active_ns / 1e9, 3)
+        if isinstance(active_ns, int) and active_ns >= 0
+        else None,
+        error=error.get("description") if isinstance(error, dict) else error,
+    )
+
+
+async def collect_status(config: Config, monitor: Monitor | None = None) -> Status:
+    """Read the island's state into a `Status`; never raises for an island that is down."""
+    monitor = monitor or Monitor(config.island.monitor_url)
+    saved = _read_json(config.agent.state_dir / "link.json")
+    try:
+        healthz = await monitor.get("/healthz")
+        leaf_up = await monitor.leaf_connected()
+        jsz = await monitor.get("/jsz?streams=true&config=true")
+    except IslandUnavailable as exc:
+        return Status(
+            device_id=config.device_id,
+            island_up=False,
+            link=LinkState(False, None),
+            problems=[f"island unreachable: {exc}"],
+            checked_at=utc_now_iso(),
+        )
+    since = saved.get("since") if saved and saved.get("up") == leaf_up else None
+    problems: list[str] = []
+    if healthz.get("status") != "ok":
+        problems.append(f"island unhealthy: {healthz.get('error') or healthz}")
+    details = [
+        d for acc in jsz.get("account_details") or [] for d in acc.get("stream_detail") or []
+    ]
+    by_name = {d.get("name"): d for d in details}
+    streams: dict[str, StreamStatus] = {}
+    for name in (TELEMETRY, EVENTS, COMMANDS):
+        if name not in by_name:
+            problems.append(f"stream {name} missing")
+            continue
+        streams[name] = _stream_status(by_name[name])
+        if streams[name].budget_used_pct >= BUDGET_WARN_PCT and name != TELEMETRY:
+            problems.append(f"stream {name} at {streams[name].budget_used_pct}% of its budget")
+    mirror = _mirror_status(by_name[COMMANDS]) if COMMANDS in by_name else None
+    if mirror and mirror.error and leaf_up:
+        problems.append(f"command mirror error: {mirror.error}")
+    return Status(
+        device_id=config.device_id,
+        island_up=healthz.get("status") == "ok",
+        link=LinkState(leaf_up, since),
+        streams=streams,
+        mirror=mirror,
+        problems=problems,
+        checked_at=utc_now_iso(),
+    )
+
+
+def _size(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"
+
+
+def render_status(status: Status) -> str:
+    """A short human-readable report (``edge-agent status`` without ``--json``)."""
+    link = "up" if status.link.up else "down"
+    lines = [
+        f"device      {status.device_id}",
+        f"health      {'healthy' if status.healthy else 'DEGRADED'}",
+        f"island      {'up' if status.island_up else 'DOWN'}",
+        f"link        {link}" + (f" since {status.link.since}" if status.link.since else ""),
+    ]
+    if status.streams:
+        lines.append(f"{'stream':<12}{'messages':>10}{'bytes':>12}{'budget':>8}{'dropped':>9}")
+        for s in status.streams.values():
+            lines.append(
+                f"{s.name:<12}{s.messages:>10}{_size(s.bytes):>12}"
+                f"{s.budget_used_pct:>7.1f}%{s.dropped:>9}"
+            )
+    if status.mirror is not None:
+        contact = (
+            f"{status.mirror.last_contact_s:.1f}s ago"
+            if status.mirror.last_contact_s is not None
+            else "never"
+        )
+        lines.append(f"mirror      lag {status.mirror.lag}, last contact {contact}")
+    lines.extend(f"problem     {p}" for p in status.problems)
+    return "\n".join(lines)
+
+
+def heartbeat_payload(status: Status, started_at: float) -> bytes:
+    body = status.to_dict()
+    body["uptime_s"] = round(time.monotonic() - started_at, 1)
+    return json.dumps(body, separators=(",", ":")).encode()

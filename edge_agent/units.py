@@ -1,0 +1,61 @@
+"""Parsing of the human-friendly sizes and durations used in configuration files."""
+
+from __future__ import annotations
+
+import re
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_SIZE_FACTORS = {
+    "b": 1,
+    "kb": 1000,
+    "mb": 1000**2,
+    "gb": 1000**3,
+    "tb": 1000**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+}
+_DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
+_DURATION_FACTORS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_size(value: object) -> int:
+    """Bytes from an int or a string like ``"2GiB"``, ``"512MB"`` or ``"1024"``."""
+    if isinstance(value, bool):
+        raise ValueError(f'expected size like "2GiB", got {value!r}')
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"expected a size >= 0, got {value}")
+        return value
+    if isinstance(value, str) and (match := _SIZE_RE.match(value)):
+        number, unit = match.groups()
+        return int(float(number) * _SIZE_FACTORS[(unit or "B").lower()])
+    raise ValueError(f'expected size like "2GiB", got {value!r}')
+
+
+def parse_duration(value: object) -> float:
+    """Seconds from a number or a string like ``"250ms"``, ``"30s"``, ``"1h30m"`` or ``"7d"``."""
+    if isinstance(value, bool):
+        raise ValueError(f'expected duration like "30s", got {value!r}')
+    if isinstance(value, int | float):
+        if value < 0:
+            raise ValueError(f"expected a duration >= 0, got {value}")
+        return float(value)
+    if isinstance(value, str):
+        text = value.strip().lower()
+        parts = _DURATION_RE.findall(text)
+        if parts and "".join(n + u for n, u in parts) == text:
+            return sum(float(n) * _DURATION_FACTORS[u] for n, u in parts)
+    raise ValueError(f'expected duration like "30s" or "2h", got {value!r}')
+
+
+def format_duration(seconds: float) -> str:
+    """A short Go-style duration (``"1h2m3s"``), as nats-server config files accept."""
+    if seconds < 1:
+        return f"{round(seconds * 1000)}ms"
+    whole = round(seconds)
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    out = (f"{hours}h" if hours else "") + (f"{minutes}m" if minutes else "")
+    return out + (f"{secs}s" if secs or not out else "")

@@ -1,0 +1,5 @@
+import sys
+
+from hub_ingest.cli import main
+
+sys.exit(main())

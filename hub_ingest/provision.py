@@ -1,0 +1,150 @@
+"""Idempotent creation of the hub's streams.
+
+- ``COMMANDS`` listens on ``cmd.>``; devices mirror their slice of it.
+- ``FLEET_TELEMETRY`` and ``FLEET_EVENTS`` (then ``_2``, ``_3``… once a shard is full) *source*
+  every registered device's ``TELEMETRY`` / ``EVENTS`` through ``$JS.<device-domain>.API``.
+  A subject transform puts the device id in the subject (``tele.>`` on device d becomes
+  ``fleet.d.tele.>``). Aggregate streams have no subjects of their own: listening on a
+  subject devices publish would store every message twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import structlog
+from nats.js import JetStreamContext
+from nats.js.api import (
+    DiscardPolicy,
+    ExternalStream,
+    StorageType,
+    StreamConfig,
+    StreamSource,
+    SubjectTransform,
+)
+
+from edge_agent.errors import StreamError
+from edge_agent.streams import Reconciled, reconcile_stream
+from hub_ingest.config import HubConfig
+from hub_ingest.errors import ProvisionError
+from hub_ingest.registry import Device
+
+log = structlog.get_logger(__name__)
+
+COMMANDS = "COMMANDS"
+MANAGED_BY = {"managed-by": "hub-ingest"}
+
+
+@dataclass(frozen=True, slots=True)
+class Aggregate:
+    """One kind of device stream and the hub streams that collect it."""
+
+    base_name: str  # FLEET_TELEMETRY
+    device_stream: str  # TELEMETRY
+    prefix: str  # tele
+
+    def stream_name(self, shard: int) -> str:
+        return self.base_name if shard == 0 else f"{self.base_name}_{shard + 1}"
+
+    def subject_prefix(self, device_id: str) -> str:
+        return f"fleet.{device_id}.{self.prefix}"
+
+
+AGGREGATES = (
+    Aggregate("FLEET_TELEMETRY", "TELEMETRY", "tele"),
+    Aggregate("FLEET_EVENTS", "EVENTS", "evt"),
+)
+
+
+def device_source(aggregate: Aggregate, device: Device) -> StreamSource:
+    return StreamSource(
+        name=aggregate.device_stream,
+        external=ExternalStream(api=device.api_prefix),
+        subject_transforms=[
+            SubjectTransform(
+                src=f"{aggregate.prefix}.>", dest=f"{aggregate.subject_prefix(device.device_id)}.>"
+            )
+        ],
+    )
+
+
+def commands_stream(config: HubConfig) -> StreamConfig:
+    return StreamConfig(
+        name=COMMANDS,
+        subjects=["cmd.>"],
+        storage=StorageType.FILE,
+        discard=DiscardPolicy.OLD,
+        max_age=config.commands.max_age,
+        max_bytes=config.commands.max_bytes,
+        # Long enough for `command send` retries to be de-duplicated by Nats-Msg-Id.
+        duplicate_window=600.0,
+        allow_direct=True,
+        metadata=MANAGED_BY,
+    )
+
+
+def aggregate_streams(
+    config: HubConfig, devices: Iterable[Device], shards: Iterable[int] = ()
+) -> list[StreamConfig]:
+    """Aggregate streams for `devices`, plus empty ones for `shards` that have none left."""
+    by_shard: dict[int, list[Device]] = {shard: [] for shard in (0, *shards)}
+    for device in sorted(devices, key=lambda d: d.device_id):
+        by_shard.setdefault(device.shard, []).append(device)
+    streams = []
+    for aggregate in AGGREGATES:
+        for shard in sorted(by_shard):
+            streams.append(
+                StreamConfig(
+                    name=aggregate.stream_name(shard),
+                    storage=StorageType.FILE,
+                    discard=DiscardPolicy.OLD,
+                    max_bytes=config.aggregates.max_bytes,
+                    max_age=config.aggregates.max_age,
+                    sources=[device_source(aggregate, d) for d in by_shard[shard]] or None,
+                    allow_direct=True,
+                    metadata=MANAGED_BY,
+                )
+            )
+    return streams
+
+
+async def stream_names(js: JetStreamContext) -> list[str]:
+    """Every stream name in the domain (the listing API is paged)."""
+    names: list[str] = []
+    while page := await js.streams_info(offset=len(names)):
+        names.extend(info.config.name or "" for info in page)
+    return names
+
+
+def _shard_of(name: str) -> list[int]:
+    for aggregate in AGGREGATES:
+        if name == aggregate.base_name:
+            return [0]
+        suffix = name.removeprefix(f"{aggregate.base_name}_")
+        if suffix != name and suffix.isdigit() and int(suffix) >= 2:
+            return [int(suffix) - 1]
+    return []
+
+
+async def provision(
+    js: JetStreamContext, config: HubConfig, devices: Iterable[Device]
+) -> list[Reconciled]:
+    """Create or update ``COMMANDS`` and every aggregate stream; safe to repeat."""
+    # Shards whose last device was removed still exist and must stop sourcing it.
+    shards = {shard for name in await stream_names(js) for shard in _shard_of(name)}
+    results = []
+    for want in [commands_stream(config), *aggregate_streams(config, devices, shards)]:
+        try:
+            result = await reconcile_stream(js, want)
+        except StreamError as exc:
+            raise ProvisionError(str(exc)) from exc
+        if result.change != "unchanged":
+            log.info(
+                "stream_provisioned",
+                stream=result.name,
+                change=result.change,
+                fields=list(result.fields),
+            )
+        results.append(result)
+    return results

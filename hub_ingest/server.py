@@ -1,0 +1,29 @@
+"""The hub's nats-server configuration: JetStream in the hub domain plus a leaf listener."""
+
+from __future__ import annotations
+
+import json
+
+from hub_ingest.config import HubConfig
+
+
+def render_server_config(config: HubConfig) -> str:
+    srv = config.server
+    source = f" from {config.source}" if config.source else ""
+    return f"""\
+# Rendered by hub-ingest{source}; edit the hub config instead.
+server_name: {json.dumps(srv.server_name)}
+listen: {json.dumps(srv.listen)}
+http: {json.dumps(srv.monitor_listen)}
+
+jetstream {{
+  domain: {json.dumps(config.nats.domain)}
+  store_dir: {json.dumps(str(srv.store_dir))}
+  max_file_store: {srv.max_file_store}
+  max_memory_store: {srv.max_memory_store}
+}}
+
+leafnodes {{
+  listen: {json.dumps(srv.leaf_listen)}
+}}
+"""
