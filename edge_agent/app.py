@@ -113,7 +113,7 @@ class Agent:
             self._reconcile_needed.clear()
             retrying = AsyncRetrying(
                 retry=retry_if_exception_type((APIError, nats.errors.Error, OSError, TimeoutError)),
-                wait=wait_exponential_jitter(initial=0.2, max=10.0),
+                wait=wait_exponential_jitter(multiplier=0.2, jitter=0.2, max=10.0),
                 reraise=True,
             )
             async for attempt in retrying:

@@ -219,7 +219,7 @@ class Island:
         while True:
             retrying = AsyncRetrying(
                 retry=retry_if_exception(_retriable),
-                wait=wait_exponential_jitter(initial=0.2, max=30.0),
+                wait=wait_exponential_jitter(multiplier=0.2, jitter=0.2, max=30.0),
                 reraise=True,
             )
             async for attempt in retrying:

@@ -102,6 +102,7 @@ def aggregate_streams(
                     max_bytes=config.aggregates.max_bytes,
                     max_age=config.aggregates.max_age,
                     sources=[device_source(aggregate, d) for d in by_shard[shard]] or None,
+                    duplicate_window=120.0,
                     allow_direct=True,
                     metadata=MANAGED_BY,
                 )

@@ -1,0 +1,20 @@
+"""Fixtures: a real hub nats-server per test, and a factory for devices linked to it."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from tests.support.cluster import Hub, start_hub
+
+
+@pytest.fixture
+async def hub(tmp_path: Path) -> AsyncIterator[Hub]:
+    """A hub with COMMANDS and empty aggregates; `await hub.device("a")` adds a device."""
+    hub = await start_hub(tmp_path)
+    try:
+        yield hub
+    finally:
+        await hub.close()

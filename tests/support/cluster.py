@@ -1,0 +1,265 @@
+"""Real nats-servers on loopback: a hub, and devices whose agents run their islands as children.
+
+Every device reaches the hub through its own `TcpProxy`, so a test can cut one link at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import nats
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+from nats.js.api import RawStreamMsg
+
+from edge_agent.app import Agent
+from edge_agent.config import Config, parse_config
+from edge_agent.island import Monitor, resolve_nats_server, wait_healthy
+from hub_ingest.config import HubConfig, parse_hub_config
+from hub_ingest.provision import provision
+from hub_ingest.registry import Registry
+from hub_ingest.server import render_server_config
+from tests.support.proxy import TcpProxy
+from tests.support.waiting import eventually
+
+NATS_SERVER = resolve_nats_server("nats-server")
+
+
+async def stream_messages(js: JetStreamContext, stream: str) -> list[RawStreamMsg]:
+    """Every message in `stream`, in order; gaps (filtered mirrors, deletes) are skipped."""
+    info = await js.stream_info(stream)
+    msgs: list[RawStreamMsg] = []
+    seq = info.state.first_seq
+    while info.state.messages and seq <= info.state.last_seq:
+        msg = await js.get_msg(stream, seq, next=True, subject=">")
+        assert msg.seq is not None
+        msgs.append(msg)
+        seq = msg.seq + 1
+    return msgs
+
+
+def free_port() -> int:
+    """A port free right now on loopback (configs need fixed ports that survive restarts)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class NatsServer:
+    """A nats-server process started from a config file; SIGKILL-able and restartable."""
+
+    def __init__(self, config_path: Path, monitor_url: str) -> None:
+        self.config_path = config_path
+        self.monitor = Monitor(monitor_url)
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log_path = config_path.with_suffix(".log")
+
+    async def start(self) -> NatsServer:
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(
+                [NATS_SERVER, "-c", str(self.config_path)], stdout=log, stderr=log
+            )
+        try:
+            await wait_healthy(self.monitor, 30)
+        except Exception:
+            self.kill()
+            raise AssertionError(self.log_path.read_text()[-3000:]) from None
+        return self
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+        self.proc = None
+
+    async def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                await asyncio.to_thread(self.proc.wait, 15)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self.proc = None
+
+
+@dataclass
+class Hub:
+    config: HubConfig
+    server: NatsServer
+    nc: Client
+    js: JetStreamContext
+    leaf_port: int
+    root: Path
+    devices: list[Device] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return self.config.nats.servers[0]
+
+    async def register(self, device_id: str) -> None:
+        registry = await Registry.open(self.js)
+        await registry.add(device_id, f"edge-{device_id}", self.config.aggregates.max_sources_per_stream)
+        await provision(self.js, self.config, await registry.list())
+
+    async def restart(self) -> None:
+        """SIGKILL the hub server and start it again on the same ports and store."""
+        self.server.kill()
+        await self.server.start()
+
+    async def device(self, device_id: str, **agent_overrides: Any) -> Device:
+        """Register `device_id`, then start its agent (child-mode island) behind a proxy."""
+        await self.register(device_id)
+        proxy = await TcpProxy(self.leaf_port).start()
+        state = self.root / device_id
+        data: dict[str, Any] = {
+            "device_id": device_id,
+            "agent": {"state_dir": str(state), "heartbeat_interval": "2s", **agent_overrides},
+            "island": {
+                "supervise": "child",
+                "max_file_store": "256MiB",
+                "client_listen": f"127.0.0.1:{free_port()}",
+                "monitor_listen": f"127.0.0.1:{free_port()}",
+                "nats_server": NATS_SERVER,
+            },
+            "hub": {"urls": [f"nats-leaf://127.0.0.1:{proxy.port}"]},
+        }
+        device = Device(parse_config(data), proxy)
+        await device.start()
+        self.devices.append(device)
+        return device
+
+    async def aggregate_messages(self, stream: str) -> list[RawStreamMsg]:
+        return await stream_messages(self.js, stream)
+
+    async def close(self) -> None:
+        for device in self.devices:
+            await device.stop()
+        await self.nc.close()
+        await self.server.stop()
+
+
+@dataclass
+class Device:
+    config: Config
+    proxy: TcpProxy
+    agent: Agent | None = None
+    task: asyncio.Task[None] | None = None
+    nc: Client | None = None
+
+    @property
+    def id(self) -> str:
+        return self.config.device_id
+
+    @property
+    def monitor(self) -> Monitor:
+        return Monitor(self.config.island.monitor_url)
+
+    @property
+    def js(self) -> JetStreamContext:
+        assert self.nc is not None
+        return self.nc.jetstream()
+
+    async def start(self) -> None:
+        self.agent = Agent(self.config)
+        self.task = asyncio.create_task(self.agent.run())
+        ready = asyncio.create_task(self.agent.ready.wait())
+        done, _ = await asyncio.wait({ready, self.task}, timeout=60, return_when="FIRST_COMPLETED")
+        if self.task in done:
+            ready.cancel()
+            self.task.result()
+        assert ready in done, f"agent {self.id} not ready within 60s"
+        if self.nc is None:
+            self.nc = await nats.connect(
+                self.config.island.client_url, max_reconnect_attempts=-1, reconnect_time_wait=0.2
+            )
+
+    async def stop(self) -> None:
+        if self.agent is not None and self.task is not None:
+            self.agent.shutdown.set()
+            await asyncio.wait_for(self.task, 60)
+        self.agent = self.task = None
+        if self.nc is not None:
+            with contextlib.suppress(Exception):
+                await self.nc.close()
+            self.nc = None
+        await self.proxy.close()
+
+    async def link_up(self) -> bool:
+        return await self.monitor.leaf_connected()
+
+    async def wait_link(self, up: bool = True, timeout: float = 30) -> None:
+        async def probe() -> bool:
+            return await self.link_up() == up
+
+        await eventually(probe, timeout=timeout, what=f"{self.id} link {'up' if up else 'down'}")
+
+
+async def start_hub(root: Path, **aggregates: Any) -> Hub:
+    leaf_port = free_port()
+    client_port, monitor_port = free_port(), free_port()
+    config = parse_hub_config(
+        {
+            "state_dir": str(root / "hub"),
+            "nats": {"servers": [f"nats://127.0.0.1:{client_port}"]},
+            "aggregates": aggregates,
+            "commands": {"max_bytes": "64MiB"},
+            "server": {
+                "listen": f"127.0.0.1:{client_port}",
+                "monitor_listen": f"127.0.0.1:{monitor_port}",
+                "leaf_listen": f"127.0.0.1:{leaf_port}",
+                "max_file_store": "1GiB",
+            },
+        }
+    )
+    conf = root / "hub.conf"
+    root.mkdir(parents=True, exist_ok=True)
+    conf.write_text(render_server_config(config))
+    server = await NatsServer(conf, f"http://127.0.0.1:{monitor_port}").start()
+    nc = await nats.connect(config.nats.servers[0], max_reconnect_attempts=-1, reconnect_time_wait=0.2)
+    js = nc.jetstream(domain=config.nats.domain)
+    await provision(js, config, [])
+    return Hub(config, server, nc, js, leaf_port, root)
+
+
+def run_cli(module: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m module args`` and capture its output."""
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def write_agent_config(device: Device, path: Path) -> Path:
+    """The device's config as TOML, for tests that drive the CLI."""
+    cfg = device.config
+    path.write_text(
+        f"""device_id = {json.dumps(cfg.device_id)}
+[agent]
+state_dir = {json.dumps(str(cfg.agent.state_dir))}
+[island]
+max_file_store = {cfg.island.max_file_store}
+client_listen = {json.dumps(str(cfg.island.client_listen))}
+monitor_listen = {json.dumps(str(cfg.island.monitor_listen))}
+supervise = "child"
+nats_server = {json.dumps(cfg.island.nats_server)}
+[hub]
+urls = {json.dumps(list(cfg.hub.urls))}
+"""
+    )
+    return path
+
+
+__all__ = ["Device", "Hub", "NatsServer", "free_port", "run_cli", "start_hub"]

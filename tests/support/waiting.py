@@ -1,0 +1,36 @@
+"""Awaiting conditions with a deadline: the only way tests synchronise."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+async def eventually(
+    probe: Callable[[], Awaitable[T]],
+    *,
+    timeout: float,
+    interval: float = 0.1,
+    what: str = "condition",
+) -> T:
+    """Call `probe` until it returns a truthy value (returned) or `timeout` passes (fails).
+
+    Exceptions from `probe` count as "not yet"; the last one is shown if time runs out.
+    """
+    deadline = time.monotonic() + timeout
+    last: object = None
+    while True:
+        try:
+            value = await probe()
+            if value:
+                return value
+            last = value
+        except Exception as exc:
+            last = exc
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached within {timeout}s (last: {last!r})")
+        await asyncio.sleep(interval)
