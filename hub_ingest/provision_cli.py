@@ -1,0 +1,41 @@
+"""``hub-ingest provision`` and ``hub-ingest render-nats-config``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+from typing import Any
+
+from hub_ingest.config import HubConfig
+from hub_ingest.connect import hub_connection
+from hub_ingest.provision import provision
+from hub_ingest.registry import Registry
+from hub_ingest.server import render_server_config
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("provision", help="create or update COMMANDS and the aggregate streams")
+    p.set_defaults(handler=lambda config, args: asyncio.run(_provision(config)))
+    r = sub.add_parser("render-nats-config", help="print the hub's nats-server config")
+    r.add_argument("-o", "--output", type=Path, help="write to this file instead of stdout")
+    r.set_defaults(handler=_render)
+
+
+async def _provision(config: HubConfig) -> int:
+    async with hub_connection(config) as nc:
+        js = nc.jetstream(domain=config.nats.domain)
+        devices = await (await Registry.open(js)).list()
+        for result in await provision(js, config, devices):
+            print(f"{result.name:<24} {result.change}")
+    return 0
+
+
+def _render(config: HubConfig, args: argparse.Namespace) -> int:
+    text = render_server_config(config)
+    if args.output is None:
+        sys.stdout.write(text)
+    else:
+        args.output.write_text(text, encoding="utf-8")
+    return 0
