@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 demo: venv
-	$(BIN)/python -m edge_agent.demo
+	$(BIN)/python bench/demo.py
 
 test: venv
 	$(BIN)/ruff check edge_agent hub_ingest tests bench

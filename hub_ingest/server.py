@@ -25,5 +25,8 @@ jetstream {{
 
 leafnodes {{
   listen: {json.dumps(srv.leaf_listen)}
+  # Devices dial the URLs in their own config (a load balancer, a NAT address); without
+  # this the hub gossips its internal listen address and devices reconnect around it.
+  no_advertise: true
 }}
 """

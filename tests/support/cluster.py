@@ -47,6 +47,10 @@ async def stream_messages(js: JetStreamContext, stream: str) -> list[RawStreamMs
     return msgs
 
 
+async def _quiet(exc: Exception) -> None:
+    """Test clients reconnect through island restarts on purpose; their errors are noise."""
+
+
 def free_port() -> int:
     """A port free right now on loopback (configs need fixed ports that survive restarts)."""
     with socket.socket() as sock:
@@ -108,7 +112,9 @@ class Hub:
 
     async def register(self, device_id: str) -> None:
         registry = await Registry.open(self.js)
-        await registry.add(device_id, f"edge-{device_id}", self.config.aggregates.max_sources_per_stream)
+        await registry.add(
+            device_id, f"edge-{device_id}", self.config.aggregates.max_sources_per_stream
+        )
         await provision(self.js, self.config, await registry.list())
 
     async def restart(self) -> None:
@@ -180,7 +186,10 @@ class Device:
         assert ready in done, f"agent {self.id} not ready within 60s"
         if self.nc is None:
             self.nc = await nats.connect(
-                self.config.island.client_url, max_reconnect_attempts=-1, reconnect_time_wait=0.2
+                self.config.island.client_url,
+                max_reconnect_attempts=-1,
+                reconnect_time_wait=0.2,
+                error_cb=_quiet,
             )
 
     async def stop(self) -> None:
@@ -225,7 +234,9 @@ async def start_hub(root: Path, **aggregates: Any) -> Hub:
     root.mkdir(parents=True, exist_ok=True)
     conf.write_text(render_server_config(config))
     server = await NatsServer(conf, f"http://127.0.0.1:{monitor_port}").start()
-    nc = await nats.connect(config.nats.servers[0], max_reconnect_attempts=-1, reconnect_time_wait=0.2)
+    nc = await nats.connect(
+        config.nats.servers[0], max_reconnect_attempts=-1, reconnect_time_wait=0.2, error_cb=_quiet
+    )
     js = nc.jetstream(domain=config.nats.domain)
     await provision(js, config, [])
     return Hub(config, server, nc, js, leaf_port, root)

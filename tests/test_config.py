@@ -1,0 +1,110 @@
+"""The agent config: defaults, checked values, and errors that name the key (exit code 2)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from edge_agent.cli import main
+from edge_agent.config import load_config, parse_config
+from edge_agent.errors import ConfigError
+from edge_agent.island import check_config, render_config
+from tests.support.cluster import NATS_SERVER, run_cli
+
+MINIMAL = """
+device_id = "d1"
+[island]
+max_file_store = "1GiB"
+[hub]
+urls = ["nats-leaf://127.0.0.1:7422"]
+"""
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "agent.toml"
+    path.write_text(text)
+    return path
+
+
+def test_minimal_config_gets_documented_defaults(tmp_path: Path) -> None:
+    """Domain and server name derive from the device id; budgets split the store."""
+    config = load_config(_write(tmp_path, MINIMAL))
+    assert config.island.domain == "edge-d1"
+    assert config.island.server_name == "edge-d1"
+    assert config.island.max_file_store == 1024**3
+    assert config.island.supervise == "external"
+    assert str(config.island.client_listen) == "127.0.0.1:4222"
+    assert config.hub.domain == "hub"
+    assert config.hub.reconnect == 0.25
+    assert config.streams.telemetry.max_bytes == 1024**3 * 70 // 100
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "fragment"),
+    [
+        ("colour = 'red'\n" + MINIMAL, "colour", "unknown key"),
+        (MINIMAL.replace('"1GiB"', '"lots"'), "island.max_file_store", "lots"),
+        (MINIMAL.replace('device_id = "d1"', ""), "device_id", "missing"),
+        (MINIMAL.replace('device_id = "d1"', 'device_id = "a.b"'), "device_id", "a.b"),
+        (
+            MINIMAL.replace("[island]", '[island]\nclient_listen = "0.0.0.0:4222"'),
+            "island.client_listen",
+            "loopback",
+        ),
+        (MINIMAL.replace("[island]", '[island]\nsupervise = "maybe"'), "island.supervise", "maybe"),
+        (MINIMAL + '[streams.telemetry]\nmax_bytes = "2GiB"\n', "streams", "max_file_store"),
+        (MINIMAL + "[streams.events]\nmax_msgs = 3\n", "streams.events.max_msgs", "unknown key"),
+        (MINIMAL.replace("[hub]", "[hub]\nreconnect = 'soon'"), "hub.reconnect", "soon"),
+    ],
+)
+def test_bad_values_name_the_key(tmp_path: Path, text: str, key: str, fragment: str) -> None:
+    """Every rejected value is reported with its dotted key and the offending value."""
+    with pytest.raises(ConfigError) as err:
+        load_config(_write(tmp_path, text))
+    assert err.value.key == key
+    assert fragment in str(err.value)
+
+
+def test_cli_exits_2_and_names_the_key(tmp_path: Path) -> None:
+    """A bad size is a usage error: exit 2, the key and the value on stderr."""
+    path = _write(tmp_path, MINIMAL.replace('"1GiB"', '"lots"'))
+    result = run_cli("edge_agent", "-c", str(path), "check-config")
+    assert result.returncode == 2
+    assert "island.max_file_store" in result.stderr
+    assert "lots" in result.stderr
+
+
+def test_cli_missing_file_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["-c", str(tmp_path / "nope.toml"), "check-config"]) == 2
+    assert "nope.toml: no such file" in capsys.readouterr().err
+
+
+def test_rendered_island_config_passes_nats_server_t(tmp_path: Path) -> None:
+    """The rendered config is accepted by the real nats-server and keeps data local."""
+    data = {
+        "device_id": "d1",
+        "agent": {"state_dir": str(tmp_path)},
+        "island": {"max_file_store": "1GiB", "nats_server": NATS_SERVER},
+        "hub": {
+            "urls": ["nats-leaf://127.0.0.1:7422", "nats-leaf://127.0.0.2:7422"],
+            "credentials": str(tmp_path / "d1.creds"),
+        },
+    }
+    config = parse_config(data)
+    text = render_config(config)
+    assert 'domain: "edge-d1"' in text
+    assert "max_file_store: 1073741824" in text
+    assert 'reconnect: "250ms"' in text
+    assert '"tele.>"' in text
+    path = tmp_path / "island.conf"
+    path.write_text(text)
+    (tmp_path / "d1.creds").write_text("")
+    check_config(NATS_SERVER, path)
+
+
+def test_render_command_writes_checked_file(tmp_path: Path) -> None:
+    path = _write(tmp_path, MINIMAL + f'[agent]\nstate_dir = "{tmp_path}"\n')
+    out = tmp_path / "out.conf"
+    assert main(["-c", str(path), "render-nats-config", "-o", str(out)]) == 0
+    assert 'server_name: "edge-d1"' in out.read_text()

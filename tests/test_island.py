@@ -1,0 +1,91 @@
+"""The island under the agent: killed with SIGKILL, it comes back with streams and data."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from edge_agent.island import pid_file
+from tests.support.cluster import Hub, run_cli, stream_messages, write_agent_config
+from tests.support.waiting import eventually
+
+
+async def test_killed_island_restarts_with_streams_and_data(hub: Hub) -> None:
+    """SIGKILL on the child island: the agent restarts it; stored telemetry is intact."""
+    a = await hub.device("a")
+    assert a.agent is not None
+    for i in range(5):
+        await a.js.publish("tele.temp", f"r{i}".encode())
+    old_pid = int(pid_file(a.config).read_text())
+
+    os.kill(old_pid, signal.SIGKILL)
+
+    async def restarted() -> bool:
+        assert a.agent is not None
+        return a.agent.island.restarts == 1 and a.agent.island.up.is_set()
+
+    await eventually(restarted, timeout=30, what="island restarted")
+    assert int(pid_file(a.config).read_text()) != old_pid
+    ack = await eventually(lambda: a.js.publish("tele.temp", b"after"), timeout=30)
+    assert ack.seq == 6
+    msgs = await stream_messages(a.js, "TELEMETRY")
+    assert [m.data for m in msgs] == [b"r0", b"r1", b"r2", b"r3", b"r4", b"after"]
+    names = {info.config.name for info in await a.js.streams_info()}
+    assert names == {"TELEMETRY", "EVENTS", "COMMANDS"}
+
+
+async def test_agent_killed_then_restarted_adopts_its_island(hub: Hub, tmp_path: Path) -> None:
+    """kill -9 on the agent leaves the island serving; the next agent adopts it, and a
+    SIGTERM to that agent stops both cleanly."""
+    a = await hub.device("a")
+    await a.stop()  # free the device's ports; its state directory stays
+    config_path = write_agent_config(a, tmp_path / "agent.toml")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+    argv = [sys.executable, "-m", "edge_agent", "-c", str(config_path), "run"]
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        first = subprocess.Popen(argv, env=env)
+        procs.append(first)
+        await eventually(lambda: _healthy(config_path), timeout=60, what="first agent healthy")
+        island_pid = int(pid_file(a.config).read_text())
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+        assert await _alive(island_pid), "the island must outlive a killed agent"
+
+        second = subprocess.Popen(argv, env=env)
+        procs.append(second)
+        await eventually(lambda: _healthy(config_path), timeout=60, what="second agent healthy")
+        assert int(pid_file(a.config).read_text()) == island_pid  # adopted, not restarted
+        second.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(second.wait, 30) == 0
+        await eventually(lambda: _dead(island_pid), timeout=15, what="island stopped")
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+async def _healthy(config_path: Path) -> bool:
+    result = await asyncio.to_thread(
+        run_cli, "edge_agent", "-c", str(config_path), "status", "--json"
+    )
+    return result.returncode == 0 and json.loads(result.stdout)["healthy"]
+
+
+async def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+async def _dead(pid: int) -> bool:
+    return not await _alive(pid)
