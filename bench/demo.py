@@ -17,8 +17,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
 
-from edge_agent.logs import configure_logging  # noqa: E402
-from tests.support.cluster import Device, Hub, start_hub, stream_messages  # noqa: E402
+from edge_agent.logs import configure_logging
+from tests.support.cluster import Device, Hub, start_hub, stream_messages
 
 STATE = Path("demo-state")
 DEVICES = ("gateway-1", "truck-2", "kiosk-3")
@@ -72,9 +72,7 @@ async def produce(device: Device, count: int, interval: float) -> None:
 
 
 async def phase_telemetry(hub: Hub, devices: dict[str, Device], verdict: Verdict) -> None:
-    say(
-        f"\n[2/3] telemetry: {READINGS} readings per device; {FLAKY}'s link is cut for {OUTAGE_S:.0f}s"
-    )
+    say(f"\n[2/3] telemetry: {READINGS} readings per device, {FLAKY} offline {OUTAGE_S:.0f}s")
     flaky = devices[FLAKY]
     producers = [
         asyncio.create_task(produce(d, READINGS, OUTAGE_S / READINGS * 1.5))

@@ -20,8 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
 
-from edge_agent.logs import configure_logging  # noqa: E402
-from tests.support.cluster import Device, Hub, start_hub  # noqa: E402
+from edge_agent.logs import configure_logging
+from tests.support.cluster import Device, Hub, start_hub
 
 
 async def _has_subject(js: object, stream: str, subject: str) -> bool:
