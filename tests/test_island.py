@@ -43,7 +43,7 @@ async def test_agent_killed_then_restarted_adopts_its_island(hub: Hub, tmp_path:
     """kill -9 on the agent leaves the island serving; the next agent adopts it, and a
     SIGTERM to that agent stops both cleanly."""
     a = await hub.device("a")
-    await a.stop()  # free the device's ports; its state directory stays
+    await a.stop()  # the in-process agent goes; its state directory and link proxy stay
     config_path = write_agent_config(a, tmp_path / "agent.toml")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
