@@ -150,6 +150,7 @@ class Hub:
     async def close(self) -> None:
         for device in self.devices:
             await device.stop()
+            await device.proxy.close()
         await self.nc.close()
         await self.server.stop()
 
@@ -201,7 +202,6 @@ class Device:
             with contextlib.suppress(Exception):
                 await self.nc.close()
             self.nc = None
-        await self.proxy.close()
 
     async def link_up(self) -> bool:
         return await self.monitor.leaf_connected()
