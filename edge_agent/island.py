@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import structlog
-from tenacity import AsyncRetrying, retry_if_exception, wait_exponential_jitter
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_exponential_jitter
 
 from edge_agent.config import Config
 from edge_agent.errors import EdgeAgentError, IslandError, IslandUnavailable
@@ -170,10 +170,15 @@ class Monitor:
         return any(leaf.get("is_spoke") for leaf in leafz.get("leafs") or [])
 
 
-async def wait_healthy(monitor: Monitor, timeout: float) -> None:
-    """Return once the island answers healthy; raise `IslandUnavailable` after `timeout`."""
+async def wait_healthy(
+    monitor: Monitor, timeout: float, proc: asyncio.subprocess.Process | None = None
+) -> None:
+    """Return once the island answers healthy; raise `IslandUnavailable` after `timeout`,
+    or as soon as `proc` (the island being started) has exited."""
     deadline = time.monotonic() + timeout
     while not await monitor.healthy():
+        if proc is not None and proc.returncode is not None:
+            raise IslandUnavailable(f"nats-server exited with code {proc.returncode} on start-up")
         if time.monotonic() > deadline:
             raise IslandUnavailable(
                 f"island not healthy at {monitor.base_url} after {timeout:.0f}s"
@@ -183,6 +188,12 @@ async def wait_healthy(monitor: Monitor, timeout: float) -> None:
 
 def _retriable(exc: BaseException) -> bool:
     return isinstance(exc, EdgeAgentError) and exc.retriable
+
+
+def _log_retry(state: RetryCallState) -> None:
+    exc = state.outcome.exception() if state.outcome else None
+    wait = state.next_action.sleep if state.next_action else 0.0
+    log.warning("island_unavailable", error=str(exc), attempt=state.attempt_number, retry_in_s=wait)
 
 
 class Island:
@@ -204,6 +215,7 @@ class Island:
         self.monitor = Monitor(config.island.monitor_url)
         self.up = asyncio.Event()
         self.restarts = 0
+        self.starts = 0
         self._start_timeout = start_timeout
         self._stop_timeout = stop_timeout
         self._on_up = on_up
@@ -220,6 +232,7 @@ class Island:
             retrying = AsyncRetrying(
                 retry=retry_if_exception(_retriable),
                 wait=wait_exponential_jitter(multiplier=0.2, jitter=0.2, max=30.0),
+                before_sleep=_log_retry,
                 reraise=True,
             )
             async for attempt in retrying:
@@ -243,13 +256,14 @@ class Island:
             raise IslandUnavailable(f"island at {self.monitor.base_url} is not healthy")
         await self._start_child()
         try:
-            await wait_healthy(self.monitor, self._start_timeout)
+            await wait_healthy(self.monitor, self._start_timeout, self._proc)
         except IslandUnavailable:
             await self._stop_child()
             raise
 
     async def _start_child(self) -> None:
         exe = resolve_nats_server(self.config.island.nats_server)
+        self.starts += 1
         self._proc = await asyncio.create_subprocess_exec(
             exe, "-c", str(self.config.island.config_path), stdin=asyncio.subprocess.DEVNULL
         )

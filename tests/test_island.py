@@ -6,10 +6,12 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
+from edge_agent.app import Agent
 from edge_agent.island import pid_file
 from tests.support.cluster import Hub, run_cli, stream_messages, write_agent_config
 from tests.support.waiting import eventually
@@ -58,9 +60,15 @@ async def test_agent_killed_then_restarted_adopts_its_island(hub: Hub, tmp_path:
         first.wait()
         assert await _alive(island_pid), "the island must outlive a killed agent"
 
-        second = subprocess.Popen(argv, env=env)
+        second_log = tmp_path / "second.log"
+        with second_log.open("wb") as out:
+            second = subprocess.Popen(argv, env=env, stdout=out)
         procs.append(second)
-        await eventually(lambda: _healthy(config_path), timeout=60, what="second agent healthy")
+
+        async def second_ready() -> bool:
+            return "agent_ready" in second_log.read_text()
+
+        await eventually(second_ready, timeout=60, what="second agent ready")
         assert int(pid_file(a.config).read_text()) == island_pid  # adopted, not restarted
         second.send_signal(signal.SIGTERM)
         assert await asyncio.to_thread(second.wait, 30) == 0
@@ -89,3 +97,32 @@ async def _alive(pid: int) -> bool:
 
 async def _dead(pid: int) -> bool:
     return not await _alive(pid)
+
+
+async def test_island_that_cannot_start_is_retried_until_it_can(hub: Hub) -> None:
+    """A busy client port makes nats-server exit at once; the agent backs off and retries,
+    and comes up as soon as the port is free."""
+    a = await hub.device("a")
+    await a.stop()
+    blocker = socket.socket()
+    blocker.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # the old island's TIME_WAIT
+    blocker.bind(("127.0.0.1", a.config.island.client_listen.port))
+    blocker.listen()
+    try:
+        agent = Agent(a.config)
+        task = asyncio.create_task(agent.run())
+
+        async def retried() -> bool:
+            return agent.island.starts >= 2
+
+        await eventually(retried, timeout=30, what="a second start attempt")
+        assert not agent.island.up.is_set()
+    finally:
+        blocker.close()
+    await eventually(lambda: _is_set(agent.ready), timeout=60, what="agent ready after retry")
+    agent.shutdown.set()
+    await task
+
+
+async def _is_set(event: asyncio.Event) -> bool:
+    return event.is_set()
