@@ -1,20 +1,26 @@
 """Wiring of the agent daemon (``edge-agent run``).
 
-One `asyncio.TaskGroup` holds the island supervisor, the stream reconciler, the link watcher
-and the heartbeat. Signal handlers only set the shutdown event (see `cli`); tests pass their
-own event. Shutdown order:
+One `asyncio.TaskGroup` holds the island supervisor, the stream reconciler, the link watcher,
+the heartbeat, the outbox drainer, the command executor, fast resume and the systemd
+watchdog. Signal handlers only set the shutdown event (see `cli`); tests pass their own
+event. Shutdown order:
 
-1. stop the loops (no new heartbeats, no new link polls);
-2. drain the NATS connection, so every publish already handed to it is flushed;
-3. stop the island, in child mode only: in external mode it keeps serving local producers.
+1. ``STOPPING=1``; the executor stops fetching and lets the running command finish within
+   ``commands.shutdown_grace`` (then cancels it, recording an error result);
+2. flush the outbox (while the island is up, within the same grace);
+3. stop the loops (no new heartbeats, no new link polls);
+4. drain the NATS connection, so every publish already handed to it is flushed;
+5. stop the island, in child mode only: in external mode it keeps serving local producers;
+6. close the SQLite file.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import sqlite3
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import nats
@@ -24,9 +30,17 @@ from nats.js import JetStreamContext
 from nats.js.errors import APIError
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential_jitter
 
+from edge_agent.commands import Executor
 from edge_agent.config import Config
+from edge_agent.errors import OutboxFull
+from edge_agent.handlers import Handler, builtin_handlers
 from edge_agent.health import LinkTracker, collect_status, heartbeat_payload
 from edge_agent.island import Island
+from edge_agent.ledger import Ledger
+from edge_agent.notify import Notifier
+from edge_agent.outbox import Drainer, Outbox
+from edge_agent.resume import FastResume
+from edge_agent.statedb import StateDB
 from edge_agent.streams import reconcile
 
 log = structlog.get_logger(__name__)
@@ -64,12 +78,26 @@ async def connect_island(config: Config, name: str = "edge-agent") -> Client:
 class Agent:
     """The device daemon. `run()` returns after `shutdown` is set and everything is closed."""
 
-    def __init__(self, config: Config, shutdown: asyncio.Event | None = None) -> None:
+    def __init__(
+        self,
+        config: Config,
+        shutdown: asyncio.Event | None = None,
+        *,
+        handlers: Mapping[str, Handler] | None = None,
+        notifier: Notifier | None = None,
+    ) -> None:
         self.config = config
         self.shutdown = shutdown or asyncio.Event()
         self.island = Island(config, on_up=self._island_came_up)
         self.link = LinkTracker(config, self.island.monitor)
         self.ready = asyncio.Event()
+        self.handlers = builtin_handlers() if handlers is None else handlers
+        self.notifier = notifier or Notifier()
+        self.restart_requested = False
+        self.outbox: Outbox | None = None
+        self.drainer: Drainer | None = None
+        self.executor: Executor | None = None
+        self._db: StateDB | None = None
         self._reconcile_needed = asyncio.Event()
         self._nc: Client | None = None
         self._started = time.monotonic()
@@ -81,6 +109,8 @@ class Agent:
         log.info(
             "agent_starting", device_id=self.config.device_id, mode=self.config.island.supervise
         )
+        self._db = await StateDB.open(self.config.agent.database)
+        self.outbox = Outbox(self._db, self.config.outbox.max_bytes)
         try:
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(self.island.run())
@@ -94,18 +124,46 @@ class Agent:
 
     async def _wait_for_shutdown(self) -> None:
         await self.shutdown.wait()
+        self.notifier.stopping()
         log.info("agent_stopping", device_id=self.config.device_id)
+        grace = self.config.commands.shutdown_grace
+        if self.executor is not None:
+            await self.executor.stop(grace)
+        if self.drainer is not None and self.island.up.is_set():
+            # Rows that do not make it stay in SQLite for the next start; nothing is lost.
+            await self.drainer.flush(grace)
         raise _Shutdown
 
     async def _serve(self, tg: asyncio.TaskGroup) -> None:
         await self.island.up.wait()
         self._nc = await connect_island(self.config)
         js = self._nc.jetstream()
+        assert self._db is not None and self.outbox is not None
+        self.drainer = Drainer(self.outbox, js)
+        ledger = Ledger(self._db, self.outbox, self.config.device_id)
+        executor = Executor(self.config, ledger, self.handlers, js, on_restart=self._restart)
+        self.executor = executor
         tg.create_task(self._reconcile_loop(js))
         tg.create_task(self._every(self.config.agent.link_poll_interval, self.link.poll))
-        tg.create_task(
-            self._every(self.config.agent.heartbeat_interval, lambda: self._heartbeat(js))
-        )
+        tg.create_task(self.drainer.run())
+        tg.create_task(self._every(self.config.agent.heartbeat_interval, self._heartbeat))
+        tg.create_task(self._after_ready(executor.run))
+        if self.config.commands.fast_resume:
+            hub_js = self._nc.jetstream(domain=self.config.hub.domain, timeout=2.0)
+            resume = FastResume(self.config, js, hub_js, self.link, executor)
+            tg.create_task(self._after_ready(resume.run))
+        if self.notifier.watchdog_interval is not None:
+            tg.create_task(self._watchdog(self.notifier.watchdog_interval))
+
+    async def _after_ready(self, step: Callable[[], Awaitable[None]]) -> None:
+        await self.ready.wait()
+        await step()
+
+    async def _restart(self) -> None:
+        """``agent.restart``: exit (code 75) so that systemd starts the agent again."""
+        log.info("agent_restart_requested", device_id=self.config.device_id)
+        self.restart_requested = True
+        self.shutdown.set()
 
     async def _reconcile_loop(self, js: JetStreamContext) -> None:
         while True:
@@ -120,6 +178,8 @@ class Agent:
                 with attempt:
                     await self.island.up.wait()
                     await reconcile(js, self.config)
+            if not self.ready.is_set():
+                self.notifier.ready()
             self.ready.set()
             log.info("agent_ready", device_id=self.config.device_id)
 
@@ -129,19 +189,44 @@ class Agent:
             await step()
             await asyncio.sleep(interval)
 
-    async def _heartbeat(self, js: JetStreamContext) -> None:
+    async def _heartbeat(self) -> None:
         await self.ready.wait()
+        assert self.outbox is not None
         status = await collect_status(self.config, self.island.monitor)
         subject = f"evt.{self.config.device_id}.heartbeat"
         try:
-            await js.publish(subject, heartbeat_payload(status, self._started), timeout=2.0)
-        except (nats.errors.Error, APIError, TimeoutError) as exc:
-            log.warning("heartbeat_not_stored", error=str(exc) or type(exc).__name__)
+            await self.outbox.append(subject, heartbeat_payload(status, self._started))
+        except OutboxFull as exc:
+            log.warning("heartbeat_not_queued", error=str(exc))
             return
-        log.info("heartbeat_sent", healthy=status.healthy, link_up=status.link.up)
+        log.info("heartbeat_queued", healthy=status.healthy, link_up=status.link.up)
+
+    async def _watchdog(self, interval: float) -> None:
+        """``WATCHDOG=1`` only while a real check passes; systemd restarts a hung agent."""
+        await self.ready.wait()
+        while True:
+            healthy = await self._healthy()
+            if self.shutdown.is_set():
+                return  # STOPPING=1 is the last word; the stop timeout governs from here
+            if healthy:
+                self.notifier.watchdog()
+            else:
+                log.warning("watchdog_withheld", device_id=self.config.device_id)
+            await asyncio.sleep(interval)
+
+    async def _healthy(self) -> bool:
+        assert self.outbox is not None
+        try:
+            await asyncio.wait_for(self.outbox.stats(), 5.0)
+        except (sqlite3.Error, TimeoutError):
+            return False
+        # A dead child island is ours to restart; restarting the agent would not help.
+        return self.island.child_mode or await self.island.monitor.healthy()
 
     async def _close(self) -> None:
         if self._nc is not None and not self._nc.is_closed:
             with contextlib.suppress(nats.errors.Error, TimeoutError, OSError):
                 await self._nc.drain()
         await self.island.stop()
+        if self._db is not None:
+            await self._db.close()

@@ -19,8 +19,12 @@ from edge_agent.errors import ConfigError, EdgeAgentError
 from edge_agent.health import collect_status, render_status
 from edge_agent.island import render_config, write_config
 from edge_agent.logs import configure_logging
+from edge_agent.outbox import Outbox, check_subject
+from edge_agent.statedb import StateDB
 
 EXIT_OK, EXIT_UNHEALTHY, EXIT_USAGE = 0, 1, 2
+# `agent.restart` ends the daemon with this (EX_TEMPFAIL); systemd's Restart= starts it again.
+EXIT_RESTART = 75
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -50,20 +54,47 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     sub.add_parser("check-config", help="load the config and report the first problem")
+
+    publish = sub.add_parser(
+        "publish",
+        help="queue a message in the outbox (works while the agent or island is down)",
+        description="Commit a message to the agent's durable outbox; the agent sends it to the "
+        "island. Exit 1 when the outbox is full.",
+    )
+    publish.add_argument("subject", help="a subject under tele. or evt.")
+    publish.add_argument(
+        "data", nargs="?", default="", help="the payload; '-' reads it from stdin (default: empty)"
+    )
     return parser
 
 
 def _run(config: Config, log_level: str) -> int:
     configure_logging(log_level)
+    agent = Agent(config)
 
     async def main() -> None:
-        shutdown = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, shutdown.set)
-        await Agent(config, shutdown).run()
+            loop.add_signal_handler(sig, agent.shutdown.set)
+        await agent.run()
 
     asyncio.run(main())
+    return EXIT_RESTART if agent.restart_requested else EXIT_OK
+
+
+def _publish(config: Config, subject: str, data: str) -> int:
+    try:
+        check_subject(subject)
+    except ValueError as exc:
+        print(f"edge-agent: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    payload = sys.stdin.buffer.read() if data == "-" else data.encode()
+
+    async def main() -> int:
+        async with await StateDB.open(config.agent.database) as db:
+            return await Outbox(db, config.outbox.max_bytes).append(subject, payload)
+
+    print(asyncio.run(main()))
     return EXIT_OK
 
 
@@ -93,18 +124,23 @@ def _with_config_path(config: Config, path: Path) -> Config:
     return replace(config, island=replace(config.island, config_path=path))
 
 
+def _dispatch(config: Config, args: argparse.Namespace) -> int:
+    if args.command == "run":
+        return _run(config, args.log_level)
+    if args.command == "status":
+        return _status(config, args.json, args.require_link)
+    if args.command == "render-nats-config":
+        return _render(config, args.output)
+    if args.command == "publish":
+        return _publish(config, args.subject, args.data)
+    print(f"{args.config}: ok")
+    return EXIT_OK
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        config = load_config(args.config)
-        if args.command == "run":
-            return _run(config, args.log_level)
-        if args.command == "status":
-            return _status(config, args.json, args.require_link)
-        if args.command == "render-nats-config":
-            return _render(config, args.output)
-        print(f"{args.config}: ok")
-        return EXIT_OK
+        return _dispatch(load_config(args.config), args)
     except ConfigError as exc:
         print(f"edge-agent: config error: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -89,6 +89,28 @@ class AgentConfig:
     heartbeat_interval: float
     link_poll_interval: float
 
+    @property
+    def database(self) -> Path:
+        """The SQLite file holding the outbox and the command ledger."""
+        return self.state_dir / "agent.sqlite3"
+
+
+@dataclass(frozen=True, slots=True)
+class CommandsConfig:
+    handler_timeout: float
+    max_payload: int
+    # Each entry is an exact argv; a last element "*" allows any further arguments.
+    exec_allow: tuple[tuple[str, ...], ...]
+    exec_max_output: int
+    shutdown_grace: float
+    # Read the hub's COMMANDS directly while the mirror is stalled after a link return.
+    fast_resume: bool
+
+
+@dataclass(frozen=True, slots=True)
+class OutboxConfig:
+    max_bytes: int
+
 
 @dataclass(frozen=True, slots=True)
 class Config:
@@ -97,6 +119,8 @@ class Config:
     hub: HubLinkConfig
     streams: StreamsConfig
     agent: AgentConfig
+    commands: CommandsConfig
+    outbox: OutboxConfig
     source: Path | None = None
 
 
@@ -117,6 +141,38 @@ def _supervise(value: object) -> Supervise:
     if value == "external":
         return "external"
     raise ValueError(f'expected "child" or "external", got {value!r}')
+
+
+def _argv_list(value: object) -> tuple[tuple[str, ...], ...]:
+    if not isinstance(value, list):
+        raise ValueError(f'expected a list of argv lists like [["uptime"]], got {value!r}')
+    allowed = []
+    for argv in value:
+        if (
+            not isinstance(argv, list)
+            or not argv
+            or not all(isinstance(a, str) and a for a in argv)
+            or "*" in argv[:-1]
+            or argv[0] == "*"
+        ):
+            raise ValueError(
+                f'expected an argv list of non-empty strings ("*" only last), got {argv!r}'
+            )
+        allowed.append(tuple(argv))
+    return tuple(allowed)
+
+
+def _bool(value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"expected true or false, got {value!r}")
+    return value
+
+
+def _positive_size(value: object) -> int:
+    size = parse_size(value)
+    if size <= 0:
+        raise ValueError(f"expected a size > 0, got {value!r}")
+    return size
 
 
 def _budget(section: Section, max_bytes: int) -> StreamBudget:
@@ -204,8 +260,23 @@ def parse_config(data: dict[str, Any], source: Path | None = None) -> Config:
         if getattr(streams, name).max_bytes <= 0:
             raise ConfigError(f"streams.{name}.max_bytes", "must be > 0")
 
+    cmd_sec = root.table("commands")
+    commands = CommandsConfig(
+        handler_timeout=cmd_sec.get("handler_timeout", _positive_duration, 60.0),
+        max_payload=cmd_sec.get("max_payload", _positive_size, 64 * 1024),
+        exec_allow=cmd_sec.get("exec_allow", _argv_list, ()),
+        exec_max_output=cmd_sec.get("exec_max_output", _positive_size, 64 * 1024),
+        shutdown_grace=cmd_sec.get("shutdown_grace", parse_duration, 10.0),
+        fast_resume=cmd_sec.get("fast_resume", _bool, True),
+    )
+    cmd_sec.finish()
+
+    outbox_sec = root.table("outbox")
+    outbox = OutboxConfig(max_bytes=outbox_sec.get("max_bytes", _positive_size, 64 * 1024**2))
+    outbox_sec.finish()
+
     root.finish()
-    return Config(device_id, island, hub, streams, agent, source)
+    return Config(device_id, island, hub, streams, agent, commands, outbox, source)
 
 
 def load_config(config_path: Path) -> Config:

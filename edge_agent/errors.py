@@ -3,13 +3,20 @@
     EdgeAgentError
     ├── ConfigError          bad or missing configuration (CLI exit code 2)
     ├── IslandError          the local nats-server could not be rendered, started or reached
-    └── StreamError          the island refused a stream configuration
+    ├── StreamError          the island refused a stream configuration
+    ├── OutboxError          the outbox could not take or hand on a message
+    │   ├── OutboxFull       its byte budget is used up (CLI exit code 1)
+    │   └── DrainBlocked     the island did not store a batch (down, restarting, full)
+    ├── CommandRefused       a command is answered without running (rejected or expired)
+    └── CommandFailed        a handler ran and failed (an "error" result, with its output)
 
 `retriable` says whether the same call may succeed later without anyone changing anything;
 tenacity retries key on it.
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 
 class EdgeAgentError(Exception):
@@ -39,3 +46,47 @@ class IslandUnavailable(IslandError):
 
 class StreamError(EdgeAgentError):
     """A stream could not be created or updated as configured."""
+
+
+class OutboxError(EdgeAgentError):
+    """The outbox could not take or hand on a message."""
+
+
+class OutboxFull(OutboxError):
+    """Appending would exceed the outbox's byte budget; draining frees space."""
+
+    retriable = True
+
+    def __init__(self, size: int, used: int, max_bytes: int) -> None:
+        self.size, self.used, self.max_bytes = size, used, max_bytes
+        super().__init__(
+            f"outbox full: {used} of {max_bytes} bytes used, a {size}-byte message does not fit"
+            " (outbox.max_bytes; is the island down?)"
+        )
+
+
+class DrainBlocked(OutboxError):
+    """The island did not acknowledge a batch; its rows stay and are sent again later."""
+
+    retriable = True
+
+
+class CommandRefused(EdgeAgentError):
+    """A command is answered without running: `status` is "rejected" or "expired".
+
+    `field` names the envelope field (or argument, ``args.argv``) that is wrong.
+    """
+
+    def __init__(
+        self, field: str, problem: str, status: Literal["rejected", "expired"] = "rejected"
+    ) -> None:
+        self.field, self.problem, self.status = field, problem, status
+        super().__init__(f"{field}: {problem}")
+
+
+class CommandFailed(EdgeAgentError):
+    """A handler ran and failed; `output` (e.g. what a program printed) goes in the result."""
+
+    def __init__(self, problem: str, output: object = None) -> None:
+        self.output = output
+        super().__init__(problem)

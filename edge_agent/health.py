@@ -7,8 +7,10 @@ knows (when the link last changed state) in small JSON files under its state dir
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import sqlite3
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
@@ -20,6 +22,11 @@ import structlog
 from edge_agent.config import Config
 from edge_agent.errors import IslandUnavailable
 from edge_agent.island import Monitor
+from edge_agent.ledger import CommandStats
+from edge_agent.ledger import read_stats as read_command_stats
+from edge_agent.outbox import OutboxStats
+from edge_agent.outbox import read_stats as read_outbox_stats
+from edge_agent.statedb import open_readonly
 from edge_agent.streams import COMMANDS, EVENTS, TELEMETRY
 
 log = structlog.get_logger(__name__)
@@ -61,6 +68,8 @@ class Status:
     link: LinkState
     streams: dict[str, StreamStatus] = field(default_factory=dict)
     mirror: MirrorStatus | None = None
+    outbox: OutboxStats | None = None
+    commands: CommandStats | None = None
     problems: list[str] = field(default_factory=list)
     checked_at: str = ""
 
@@ -100,6 +109,10 @@ class LinkTracker:
         self._path = config.agent.state_dir / "link.json"
         self._monitor = monitor
         self.state = LinkState(False, None)
+        # For tasks that act on a change (fast resume): exactly one of the two is set.
+        self.is_up = asyncio.Event()
+        self.is_down = asyncio.Event()
+        self.is_down.set()
 
     async def poll(self) -> LinkState:
         try:
@@ -110,6 +123,8 @@ class LinkTracker:
             self.state = LinkState(up, utc_now_iso())
             _write_json(self._path, asdict(self.state))
             log.info("link_restored" if up else "link_lost", since=self.state.since)
+        (self.is_up if up else self.is_down).set()
+        (self.is_down if up else self.is_up).clear()
         return self.state
 
 
@@ -146,10 +161,27 @@ def _mirror_status(detail: dict[str, Any]) -> MirrorStatus | None:
     )
 
 
+def _local_state(config: Config) -> tuple[OutboxStats, CommandStats] | None:
+    """Outbox and ledger figures from the agent's SQLite file (None before its first run)."""
+    try:
+        conn = open_readonly(config.agent.database)
+        if conn is None:
+            return None
+        try:
+            return read_outbox_stats(conn, config.outbox.max_bytes), read_command_stats(conn)
+        finally:
+            conn.close()
+    except sqlite3.Error as exc:
+        log.warning("state_db_unreadable", path=str(config.agent.database), error=str(exc))
+        return None
+
+
 async def collect_status(config: Config, monitor: Monitor | None = None) -> Status:
     """Read the island's state into a `Status`; never raises for an island that is down."""
     monitor = monitor or Monitor(config.island.monitor_url)
     saved = _read_json(config.agent.state_dir / "link.json")
+    local = await asyncio.to_thread(_local_state, config)
+    box, cmds = local if local else (None, None)
     try:
         healthz = await monitor.get("/healthz")
         leaf_up = await monitor.leaf_connected()
@@ -159,6 +191,8 @@ async def collect_status(config: Config, monitor: Monitor | None = None) -> Stat
             device_id=config.device_id,
             island_up=False,
             link=LinkState(False, None),
+            outbox=box,
+            commands=cmds,
             problems=[f"island unreachable: {exc}"],
             checked_at=utc_now_iso(),
         )
@@ -181,12 +215,16 @@ async def collect_status(config: Config, monitor: Monitor | None = None) -> Stat
     mirror = _mirror_status(by_name[COMMANDS]) if COMMANDS in by_name else None
     if mirror and mirror.error and leaf_up:
         problems.append(f"command mirror error: {mirror.error}")
+    if box and box.bytes >= box.max_bytes * BUDGET_WARN_PCT / 100:
+        problems.append(f"outbox at {box.bytes} of {box.max_bytes} bytes")
     return Status(
         device_id=config.device_id,
         island_up=healthz.get("status") == "ok",
         link=LinkState(leaf_up, since),
         streams=streams,
         mirror=mirror,
+        outbox=box,
+        commands=cmds,
         problems=problems,
         checked_at=utc_now_iso(),
     )
@@ -224,6 +262,16 @@ def render_status(status: Status) -> str:
             else "never"
         )
         lines.append(f"mirror      lag {status.mirror.lag}, last contact {contact}")
+    if status.outbox is not None:
+        box = status.outbox
+        oldest = f", oldest {box.oldest_age_s:.1f}s" if box.oldest_age_s is not None else ""
+        lines.append(f"outbox      {box.depth} waiting, {_size(box.bytes)}{oldest}")
+    if status.commands is not None:
+        c = status.commands
+        lines.append(
+            f"commands    last seq {c.last_seq or '-'}: {c.executed} ok, {c.failed} failed, "
+            f"{c.rejected} rejected, {c.expired} expired"
+        )
     lines.extend(f"problem     {p}" for p in status.problems)
     return "\n".join(lines)
 

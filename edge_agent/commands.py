@@ -1,0 +1,418 @@
+"""The command executor: a durable pull consumer on the island's ``COMMANDS`` mirror.
+
+For each message, in order and one at a time:
+
+1. find its ledger key (the envelope ``id``, else the ``Nats-Msg-Id`` header, else
+   ``@seq:<n>``) and skip it if the ledger has it: redeliveries, the fast-resume path
+   (`edge_agent.resume`) and the mirror all hand in the same commands;
+2. validate the envelope ``{id, type, args, issued_at, expires_at}``; an expired command
+   gets an ``expired`` result, a malformed, oversized, unknown-type or wrong-device one a
+   ``rejected`` result naming the field;
+3. otherwise claim it in the ledger, run its handler with the timeout, and record the result
+   (ledger row + outbox row, one transaction);
+4. ack. A crash before the ack only causes a redelivery, which step 1 drops.
+
+Nothing a message contains can stop the loop: every message ends in a result and an ack.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import re
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+import nats.errors
+import structlog
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import APIError
+from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential_jitter
+
+from edge_agent.config import Config
+from edge_agent.errors import CommandFailed, CommandRefused
+from edge_agent.handlers import Handler, HandlerContext
+from edge_agent.health import utc_now_iso
+from edge_agent.ledger import Ledger, Result, ResultStatus
+from edge_agent.streams import COMMANDS
+
+log = structlog.get_logger(__name__)
+
+CONSUMER = "edge-agent"
+# After this many deliveries that the agent itself could not process (not the command's
+# fault: e.g. a full disk), the message is answered with an error and acked, not retried.
+MAX_DELIVERIES = 5
+_ID_RE = re.compile(r"^[^@\s][^\s]{0,127}$")
+_TRANSIENT = (nats.errors.Error, APIError, OSError)
+
+
+@dataclass(frozen=True, slots=True)
+class Incoming:
+    """A command message as read from the mirror or straight from the hub."""
+
+    seq: int  # the hub COMMANDS sequence: mirrors keep the origin's sequence numbers
+    subject: str
+    data: bytes
+    headers: Mapping[str, str]
+    via: Literal["mirror", "hub"]
+
+
+@dataclass(frozen=True, slots=True)
+class Command:
+    id: str
+    type: str
+    args: dict[str, Any]
+    issued_at: datetime
+    expires_at: datetime | None
+    target: str  # the device id, or "all"
+
+
+def _subject_type(item: Incoming) -> str | None:
+    return [*item.subject.split(".", 2), "", ""][2] or None
+
+
+def _time(field: str, value: object) -> datetime:
+    if not isinstance(value, str):
+        raise CommandRefused(field, f"expected an ISO-8601 time string, got {value!r}")
+    try:
+        parsed = datetime.fromisoformat(value)
+    except ValueError:
+        raise CommandRefused(field, f"expected an ISO-8601 time, got {value!r}") from None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+
+
+def _envelope(item: Incoming, max_payload: int) -> dict[str, Any]:
+    if len(item.data) > max_payload:
+        raise CommandRefused(
+            "payload", f"{len(item.data)} bytes, more than commands.max_payload ({max_payload})"
+        )
+    try:
+        body = json.loads(item.data)
+    except ValueError as exc:
+        raise CommandRefused("payload", f"not JSON ({exc})") from None
+    if not isinstance(body, dict):
+        raise CommandRefused("payload", f"expected a JSON object, got {type(body).__name__}")
+    return body
+
+
+def command_id(item: Incoming, max_payload: int) -> str | None:
+    """The command's id if one can be found, even in an envelope that is otherwise wrong."""
+    with contextlib.suppress(CommandRefused):
+        value = _envelope(item, max_payload).get("id")
+        if isinstance(value, str) and _ID_RE.match(value):
+            return value
+    header = item.headers.get("Nats-Msg-Id")
+    return header if header and _ID_RE.match(header) else None
+
+
+def parse_command(
+    item: Incoming, device_id: str, max_payload: int, known: Mapping[str, object], now: datetime
+) -> Command:
+    """The validated command, or `CommandRefused` naming the first field that is wrong."""
+    body = _envelope(item, max_payload)
+    if "id" not in body:
+        raise CommandRefused("id", "missing")
+    if not isinstance(body["id"], str) or not _ID_RE.match(body["id"]):
+        raise CommandRefused("id", f"expected 1-128 printable characters, got {body['id']!r}")
+    type_ = body.get("type")
+    if not isinstance(type_, str) or not type_:
+        raise CommandRefused("type", f"expected a non-empty string, got {type_!r}")
+    _, target, subject_type = [*item.subject.split(".", 2), "", ""][:3]
+    if target not in (device_id, "all"):
+        raise CommandRefused("subject", f"{item.subject} is not for this device ({device_id})")
+    if subject_type != type_:
+        raise CommandRefused("type", f"{type_!r} does not match the subject {item.subject}")
+    addressed = body.get("device_id", target)
+    if addressed != target:
+        raise CommandRefused("device_id", f"command for {addressed!r}, this is {device_id!r}")
+    args = body.get("args", {})
+    if not isinstance(args, dict):
+        raise CommandRefused("args", f"expected an object, got {args!r}")
+    if "issued_at" not in body:
+        raise CommandRefused("issued_at", "missing")
+    issued_at = _time("issued_at", body["issued_at"])
+    expires_at = _time("expires_at", body["expires_at"]) if body.get("expires_at") else None
+    if expires_at is not None and expires_at <= now:
+        raise CommandRefused(
+            "expires_at",
+            f"expired at {expires_at.isoformat()}, received {now.isoformat(timespec='seconds')}",
+            status="expired",
+        )
+    if type_ not in known:
+        raise CommandRefused(
+            "type", f"unknown command type {type_!r} (known: {', '.join(sorted(known))})"
+        )
+    return Command(body["id"], type_, args, issued_at, expires_at, target)
+
+
+class Executor:
+    """Runs commands one at a time, from the mirror consumer and from `FastResume`."""
+
+    def __init__(
+        self,
+        config: Config,
+        ledger: Ledger,
+        handlers: Mapping[str, Handler],
+        js: JetStreamContext,
+        on_restart: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        self._config = config
+        self._ledger = ledger
+        self._handlers = handlers
+        self._js = js
+        self._on_restart = on_restart
+        self._restart_requested = False
+        self._lock = asyncio.Lock()
+        self._stopping = False
+        self._inflight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._handler_task: asyncio.Task[Any] | None = None
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    async def recover(self) -> None:
+        """Answer commands a crash interrupted; they are not run a second time."""
+        async with self._lock:
+            for entry in await self._ledger.unfinished():
+                now = utc_now_iso()
+                result = Result(
+                    command_id=None if entry.key.startswith("@") else entry.key,
+                    device_id=self._config.device_id,
+                    status="error",
+                    output=None,
+                    error="interrupted: the agent stopped while the command was running; "
+                    "it is not run again",
+                    started_at=entry.received_at,
+                    finished_at=now,
+                    type=entry.type,
+                    seq=entry.seq,
+                )
+                await self._ledger.finish(entry.key, entry.seq, result, entry.received_at)
+                log.warning("command_interrupted", key=entry.key, seq=entry.seq, type=entry.type)
+
+    async def run(self) -> None:
+        """Consume the mirror until `stop()`; transient errors are retried with backoff."""
+        await self.recover()
+        retrying = AsyncRetrying(
+            retry=retry_if_exception_type(_TRANSIENT),
+            wait=wait_exponential_jitter(multiplier=0.2, max=2.0, jitter=0.2),
+            before_sleep=lambda state: log.warning(
+                "command_consumer_retry",
+                error=repr(state.outcome.exception()) if state.outcome else None,
+            ),
+        )
+        async for attempt in retrying:
+            with attempt:
+                await self._consume()
+
+    async def _consume(self) -> None:
+        await self._js.add_consumer(
+            COMMANDS,
+            ConsumerConfig(
+                durable_name=CONSUMER,
+                deliver_policy=DeliverPolicy.ALL,
+                ack_policy=AckPolicy.EXPLICIT,
+                ack_wait=self._config.commands.handler_timeout + 30.0,
+                max_deliver=-1,
+            ),
+        )
+        sub = await self._js.pull_subscribe_bind(CONSUMER, stream=COMMANDS)
+        try:
+            while not self._stopping:
+                try:
+                    msgs = await sub.fetch(1, timeout=1.0)
+                except TimeoutError:
+                    continue  # nothing new
+                for msg in msgs:
+                    await self._handle(msg)
+        finally:
+            with contextlib.suppress(*_TRANSIENT):
+                await sub.unsubscribe()
+
+    async def _handle(self, msg: Msg) -> None:
+        meta = msg.metadata
+        item = Incoming(meta.sequence.stream, msg.subject, msg.data, msg.headers or {}, "mirror")
+        async with self._working():
+            try:
+                done = await self.process(item)
+            except Exception as exc:  # the agent's own failure (disk, database): retry a bit
+                log.error("command_not_processed", seq=item.seq, error=repr(exc))
+                if meta.num_delivered < MAX_DELIVERIES:
+                    await msg.nak(delay=min(2.0**meta.num_delivered, 30.0))
+                    return
+                done = await self._give_up(item, exc)
+            if done:
+                with contextlib.suppress(*_TRANSIENT, TimeoutError):
+                    await msg.ack()  # if lost, the redelivery finds the ledger row
+        await self._maybe_restart()
+
+    async def _give_up(self, item: Incoming, exc: Exception) -> bool:
+        cid = command_id(item, self._config.commands.max_payload)
+        key = cid or f"@seq:{item.seq}"
+        now = utc_now_iso()
+        result = self._result(
+            item,
+            cid,
+            _subject_type(item),
+            status="error",
+            error=f"not processed: {exc!r}",
+            started_at=now,
+        )
+        with contextlib.suppress(Exception):
+            await self._ledger.finish(key, item.seq, result, now)
+            return True
+        return False
+
+    async def process(self, item: Incoming) -> bool:
+        """Handle one command message; False when stopping (it stays for the next run)."""
+        async with self._lock, self._working():
+            if self._stopping:
+                return False
+            max_payload = self._config.commands.max_payload
+            cid = command_id(item, max_payload)
+            key = cid or f"@seq:{item.seq}"
+            if await self._ledger.seen(key):
+                log.debug("command_duplicate", key=key, seq=item.seq, via=item.via)
+                return True
+            received = utc_now_iso()
+            now = datetime.now(UTC)
+            try:
+                command = parse_command(
+                    item, self._config.device_id, max_payload, self._handlers, now
+                )
+            except CommandRefused as refusal:
+                result = self._result(
+                    item,
+                    cid,
+                    _subject_type(item),
+                    status=refusal.status,
+                    error=str(refusal),
+                    started_at=received,
+                )
+                await self._ledger.finish(key, item.seq, result, received)
+                log.warning(
+                    "command_refused",
+                    key=key,
+                    seq=item.seq,
+                    status=refusal.status,
+                    reason=str(refusal),
+                    via=item.via,
+                )
+                return True
+            await self._ledger.start(key, item.seq, command.type, received)
+            started = time.monotonic()
+            result = await self._execute(command, item, received)
+            await self._ledger.finish(key, item.seq, result, received)
+            log.info(
+                "command_executed",
+                command_id=command.id,
+                type=command.type,
+                seq=item.seq,
+                status=result.status,
+                via=item.via,
+                duration_s=round(time.monotonic() - started, 3),
+            )
+        if item.via == "hub":
+            await self._maybe_restart()
+        return True
+
+    def _result(
+        self,
+        item: Incoming,
+        cid: str | None,
+        type_: str | None,
+        *,
+        status: ResultStatus,
+        started_at: str,
+        output: Any = None,
+        error: str | None = None,
+    ) -> Result:
+        return Result(
+            command_id=cid,
+            device_id=self._config.device_id,
+            status=status,
+            output=output,
+            error=error,
+            started_at=started_at,
+            finished_at=utc_now_iso(),
+            type=type_,
+            seq=item.seq,
+        )
+
+    async def _execute(self, command: Command, item: Incoming, started_at: str) -> Result:
+        timeout = self._config.commands.handler_timeout
+        ctx = HandlerContext(self._config, command.id, self._request_restart)
+        handler = self._handlers[command.type]
+        task = asyncio.create_task(asyncio.wait_for(handler(ctx, command.args), timeout))
+        self._handler_task = task
+        try:
+            await asyncio.wait({task})
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        finally:
+            self._handler_task = None
+        status: ResultStatus = "ok"
+        output: Any = None
+        error: str | None = None
+        if task.cancelled():
+            status, error = "error", "cancelled: the agent stopped before the handler finished"
+        elif isinstance(exc := task.exception(), TimeoutError):
+            status, error = "error", f"timed out after {timeout:g}s"
+        elif isinstance(exc, CommandRefused):
+            status, error = exc.status, str(exc)
+        elif isinstance(exc, CommandFailed):
+            status, output, error = "error", exc.output, str(exc)
+        elif exc is not None:
+            status, error = "error", f"{type(exc).__name__}: {exc}"
+        else:
+            output = task.result()
+        return self._result(
+            item,
+            command.id,
+            command.type,
+            status=status,
+            output=output,
+            error=error,
+            started_at=started_at,
+        )
+
+    def _request_restart(self) -> None:
+        self._restart_requested = True
+
+    async def _maybe_restart(self) -> None:
+        if self._restart_requested and self._on_restart is not None:
+            self._restart_requested = False
+            await self._on_restart()
+
+    @contextlib.asynccontextmanager
+    async def _working(self) -> AsyncIterator[None]:
+        self._inflight += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self._inflight -= 1
+            if not self._inflight:
+                self._idle.set()
+
+    async def stop(self, grace: float) -> None:
+        """Take no new command; let the running one finish within `grace`, then cancel it."""
+        self._stopping = True
+        try:
+            await asyncio.wait_for(self._idle.wait(), grace)
+        except TimeoutError:
+            if self._handler_task is not None:
+                log.warning("command_cancelled_at_shutdown", grace_s=grace)
+                self._handler_task.cancel()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), 5.0)

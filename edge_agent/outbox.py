@@ -1,0 +1,288 @@
+"""The durable outbox: whatever the agent itself must send is committed to SQLite first.
+
+Results, events, heartbeats and ``edge-agent publish`` from scripts become rows; the `Drainer`
+publishes them to the island in batches with ``Nats-Msg-Id`` = ``<file instance>-<row id>``
+and deletes a row only after its PubAck. While the island is down, restarting or refusing
+("insufficient resources"), rows wait; a crash between PubAck and delete sends a row again,
+and the island's duplicate window drops the copy. The outbox has its own byte budget and
+raises `OutboxFull` instead of growing without bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import re
+import sqlite3
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import aiosqlite
+import nats.errors
+import structlog
+from nats.js import JetStreamContext
+from nats.js.api import PubAck
+from tenacity import AsyncRetrying, retry_if_exception, wait_exponential_jitter
+
+from edge_agent.errors import DrainBlocked, EdgeAgentError, OutboxFull
+from edge_agent.statedb import StateDB
+
+log = structlog.get_logger(__name__)
+
+# Only subjects the island stores: a row for any other subject could never be acknowledged.
+_SUBJECT_RE = re.compile(r"^(tele|evt)(\.[^.\s*>]+)+$")
+
+
+def check_subject(subject: str) -> str:
+    if not _SUBJECT_RE.match(subject):
+        raise ValueError(
+            f"subject must be a literal subject under tele. or evt. (the island's streams), "
+            f"got {subject!r}"
+        )
+    return subject
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    id: int
+    subject: str
+    headers: dict[str, str]
+    data: bytes
+    created_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class OutboxStats:
+    depth: int
+    bytes: int
+    max_bytes: int
+    oldest_age_s: float | None
+
+
+class Outbox:
+    """Rows waiting for the island, in a `StateDB`."""
+
+    def __init__(self, db: StateDB, max_bytes: int) -> None:
+        self.db = db
+        self.max_bytes = max_bytes
+        self.added = asyncio.Event()  # set on every append, so the drainer need not wait a poll
+
+    def msg_id(self, row_id: int) -> str:
+        return f"{self.db.instance}-{row_id}"
+
+    async def append(
+        self, subject: str, data: bytes, headers: Mapping[str, str] | None = None
+    ) -> int:
+        """Commit one message; raises `OutboxFull` when it does not fit the budget."""
+        async with self.db.transaction() as conn:
+            row_id = await self.insert(conn, subject, data, headers)
+        self.added.set()
+        return row_id
+
+    async def append_many(self, items: Iterable[tuple[str, bytes]]) -> int:
+        """Commit many messages in one transaction (all or none); returns how many."""
+        count = 0
+        async with self.db.transaction() as conn:
+            for subject, data in items:
+                await self.insert(conn, subject, data)
+                count += 1
+        self.added.set()
+        return count
+
+    async def insert(
+        self,
+        conn: aiosqlite.Connection,
+        subject: str,
+        data: bytes,
+        headers: Mapping[str, str] | None = None,
+    ) -> int:
+        """Add a row inside the caller's transaction (the ledger writes results this way)."""
+        check_subject(subject)
+        header_text = json.dumps(dict(headers or {}), separators=(",", ":"))
+        size = len(subject) + len(header_text) + len(data)
+        async with conn.execute("SELECT bytes FROM outbox_usage WHERE id = 1") as cur:
+            row = await cur.fetchone()
+        used = int(row[0]) if row else 0
+        if used + size > self.max_bytes:
+            raise OutboxFull(size, used, self.max_bytes)
+        cur = await conn.execute(
+            "INSERT INTO outbox (subject, headers, data, size, created_at) VALUES (?, ?, ?, ?, ?)",
+            (subject, header_text, data, size, time.time()),
+        )
+        assert cur.lastrowid is not None
+        return cur.lastrowid
+
+    async def batch(self, limit: int, after: int = 0) -> list[Row]:
+        """The oldest `limit` rows with an id above `after`."""
+        rows = await self.db.fetchall(
+            "SELECT id, subject, headers, data, created_at FROM outbox WHERE id > ? "
+            "ORDER BY id LIMIT ?",
+            (after, limit),
+        )
+        return [
+            Row(r[0], r[1], json.loads(r[2]) if r[2] != "{}" else {}, bytes(r[3]), r[4])
+            for r in rows
+        ]
+
+    async def remove(self, ids: list[int]) -> None:
+        async with self.db.transaction() as conn:
+            if ids == list(range(ids[0], ids[-1] + 1)):
+                await conn.execute("DELETE FROM outbox WHERE id BETWEEN ? AND ?", (ids[0], ids[-1]))
+            else:
+                await conn.executemany("DELETE FROM outbox WHERE id = ?", [(i,) for i in ids])
+
+    async def stats(self) -> OutboxStats:
+        rows = await self.db.fetchall(STATS_SQL)
+        return _stats(rows[0], self.max_bytes)
+
+
+STATS_SQL = (
+    "SELECT rows, bytes, (SELECT MIN(created_at) FROM outbox) FROM outbox_usage WHERE id = 1"
+)
+
+
+def _stats(row: Sequence[Any], max_bytes: int) -> OutboxStats:
+    depth, used, oldest = row
+    return OutboxStats(
+        depth=int(depth),
+        bytes=int(used),
+        max_bytes=max_bytes,
+        oldest_age_s=round(time.time() - float(oldest), 3) if oldest is not None else None,
+    )
+
+
+def read_stats(conn: sqlite3.Connection, max_bytes: int) -> OutboxStats:
+    """Outbox depth and age from a plain (read-only) sqlite3 connection, for ``status``."""
+    return _stats(conn.execute(STATS_SQL).fetchone(), max_bytes)
+
+
+_Batch = tuple[list[Row], list["asyncio.Future[PubAck]"]]
+
+
+def _retriable(exc: BaseException) -> bool:
+    return isinstance(exc, EdgeAgentError) and exc.retriable
+
+
+class Drainer:
+    """Publishes outbox rows to the island and deletes them once acknowledged."""
+
+    def __init__(
+        self,
+        outbox: Outbox,
+        js: JetStreamContext,
+        *,
+        batch: int = 1024,
+        ack_timeout: float = 5.0,
+        poll_interval: float = 0.2,
+    ) -> None:
+        self.outbox = outbox
+        self._js = js
+        self._batch = batch
+        self._ack_timeout = ack_timeout
+        # Other processes (``edge-agent publish``) append without telling us: poll for them.
+        self._poll_interval = poll_interval
+        self._lock = asyncio.Lock()
+
+    async def run(self) -> None:
+        """Drain forever: at once after an append, else every poll interval."""
+        while True:
+            self.outbox.added.clear()  # before draining: an append during the drain counts
+            retrying = AsyncRetrying(
+                retry=retry_if_exception(_retriable),
+                wait=wait_exponential_jitter(multiplier=0.1, max=5.0, jitter=0.2),
+                reraise=True,
+            )
+            async for attempt in retrying:
+                with attempt:
+                    try:
+                        await self.drain()
+                    except DrainBlocked as exc:
+                        log.warning("outbox_drain_blocked", reason=str(exc))
+                        raise
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.outbox.added.wait(), self._poll_interval)
+
+    async def drain(self) -> int:
+        """Send batches until the outbox is empty; returns how many rows went out.
+
+        Pipelined: the next batch is published while the previous one's PubAcks arrive and
+        its rows are deleted. On any failure the unsettled batch's rows simply stay; sent
+        again later, the island drops the copies it already has by their Nats-Msg-Id.
+        """
+        sent = 0
+        async with self._lock:
+            after = 0
+            inflight: _Batch | None = None
+            published: _Batch | None = None
+            try:
+                while True:
+                    rows = await self.outbox.batch(self._batch, after)
+                    published = None
+                    if rows:
+                        after = rows[-1].id
+                        published = (rows, await self._publish(rows))
+                    if inflight is not None:
+                        sent += await self._settle(*inflight)
+                    inflight = published
+                    if inflight is None:
+                        break
+            finally:
+                for batch in (inflight, published):
+                    for future in batch[1] if batch else []:
+                        future.cancel()  # no-op once settled
+        if sent:
+            log.info("outbox_drained", rows=sent)
+        return sent
+
+    async def flush(self, timeout: float) -> bool:
+        """Drain until empty or `timeout`; True when nothing is left (shutdown uses this)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                await self.drain()
+                return True
+            except DrainBlocked as exc:
+                if time.monotonic() >= deadline:
+                    log.warning("outbox_not_flushed", reason=str(exc))
+                    return False
+                await asyncio.sleep(0.1)
+
+    async def _publish(self, rows: list[Row]) -> list[asyncio.Future[PubAck]]:
+        futures: list[asyncio.Future[PubAck]] = []
+        try:
+            for row in rows:
+                headers = {**row.headers, "Nats-Msg-Id": self.outbox.msg_id(row.id)}
+                futures.append(await self._js.publish_async(row.subject, row.data, headers=headers))
+        except (nats.errors.Error, OSError) as exc:
+            for future in futures:
+                future.cancel()
+            raise DrainBlocked(
+                f"cannot publish to the island: {exc or type(exc).__name__}"
+            ) from exc
+        return futures
+
+    async def _settle(self, rows: list[Row], futures: list[asyncio.Future[PubAck]]) -> int:
+        """Wait for the PubAcks of `rows`, delete the acknowledged ones; how many."""
+        _, pending = await asyncio.wait(futures, timeout=self._ack_timeout)
+        for future in pending:
+            future.cancel()
+        acked = []
+        failure: BaseException | None = None
+        for row, future in zip(rows, futures, strict=True):
+            if future.cancelled():
+                continue
+            if (error := future.exception()) is not None:
+                failure = failure or error
+                continue
+            acked.append(row.id)
+        if acked:
+            await self.outbox.remove(acked)
+        if len(acked) < len(rows):
+            reason = (str(failure) or type(failure).__name__) if failure else "no PubAck in time"
+            raise DrainBlocked(
+                f"{len(rows) - len(acked)} of {len(rows)} rows not stored by the island: {reason}"
+            )
+        return len(acked)

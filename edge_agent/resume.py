@@ -1,0 +1,125 @@
+"""Fast resume: commands issued while the link was down start within a second of its return.
+
+The island's ``COMMANDS`` mirror keeps the offline guarantee (commands keep arriving into
+local storage and stay there), but after a cut of more than a few seconds nats-server 2.15
+resumes a mirror only 10-40 s after the leaf link is back. So when the link comes up
+(`LinkTracker`, from ``/leafz``) `FastResume` reads the hub's ``COMMANDS`` itself, through
+``$JS.<hub-domain>.API`` direct gets filtered to ``cmd.<id>.>`` and ``cmd.all.>``, starting
+after the mirror's last sequence, and hands each command to the `Executor`. It stops once
+the mirror is live again (its last contact is recent, checked a few seconds after the link
+came up) and holds everything read this way. The executor's ledger makes the mirror's later
+copy of each command a no-op, so a command still runs at most once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import nats.errors
+import structlog
+from nats.js import JetStreamContext
+from nats.js.api import RawStreamMsg
+from nats.js.errors import APIError, NotFoundError
+
+from edge_agent.commands import Executor, Incoming
+from edge_agent.config import Config
+from edge_agent.health import LinkTracker
+from edge_agent.streams import COMMANDS, HUB_COMMANDS, command_filters
+
+log = structlog.get_logger(__name__)
+
+# A mirror that heard from the hub this recently is live (it gets heartbeats every second).
+MIRROR_LIVE_S = 2.0
+
+
+class FastResume:
+    def __init__(
+        self,
+        config: Config,
+        island: JetStreamContext,
+        hub: JetStreamContext,
+        link: LinkTracker,
+        executor: Executor,
+        *,
+        poll_interval: float = 0.25,
+        settle: float = 3.0,
+    ) -> None:
+        self._filters = command_filters(config.device_id)
+        self._island = island
+        self._hub = hub
+        self._link = link
+        self._executor = executor
+        self._poll_interval = poll_interval
+        # Right after a short cut the mirror's last contact still looks recent although it
+        # is stalled; only a contact seen this long after the link came back proves it live.
+        self._settle = settle
+
+    async def run(self) -> None:
+        while not self._executor.stopping:
+            await self._link.is_up.wait()
+            await self.catch_up()
+            await self._link.is_down.wait()
+
+    async def catch_up(self) -> int:
+        """Run what the hub has beyond the mirror, until the mirror is live; how many ran."""
+        started = time.monotonic()
+        cursor = await self._mirror_last_seq()
+        ran = 0
+        while not self._link.is_down.is_set() and not self._executor.stopping:
+            try:
+                msg = await self._next(cursor)
+            except (nats.errors.Error, APIError, TimeoutError) as exc:
+                # The hub's API may not be reachable for a moment after the link comes up.
+                log.debug("fast_resume_read_failed", error=repr(exc))
+                await asyncio.sleep(self._poll_interval)
+                continue
+            if msg is not None:
+                assert msg.seq is not None and msg.subject is not None
+                item = Incoming(msg.seq, msg.subject, msg.data or b"", msg.headers or {}, "hub")
+                if await self._executor.process(item):
+                    ran += 1
+                cursor = msg.seq
+                continue
+            if time.monotonic() - started >= self._settle and await self._mirror_live(cursor):
+                break
+            await asyncio.sleep(self._poll_interval)
+        log.info(
+            "fast_resume_done",
+            commands=ran,
+            cursor=cursor,
+            duration_s=round(time.monotonic() - started, 3),
+        )
+        return ran
+
+    async def _next(self, cursor: int) -> RawStreamMsg | None:
+        """The first message after `cursor` on either of this device's subjects."""
+        found = []
+        for subject in self._filters:
+            try:
+                found.append(
+                    await self._hub.get_msg(
+                        HUB_COMMANDS, cursor + 1, subject=subject, next=True, direct=True
+                    )
+                )
+            except NotFoundError:
+                continue
+        return min(found, key=lambda m: m.seq or 0, default=None)
+
+    async def _mirror_last_seq(self) -> int:
+        try:
+            return (await self._island.stream_info(COMMANDS)).state.last_seq
+        except (nats.errors.Error, APIError, TimeoutError):
+            return 0
+
+    async def _mirror_live(self, cursor: int) -> bool:
+        try:
+            info = await self._island.stream_info(COMMANDS)
+        except (nats.errors.Error, APIError, TimeoutError):
+            return False
+        active = info.mirror.active if info.mirror else None
+        return (
+            active is not None
+            and 0 <= active < MIRROR_LIVE_S * 1e9
+            and info.state.last_seq >= cursor
+        )

@@ -1,0 +1,206 @@
+"""Commands from the hub: envelopes, publishing to ``COMMANDS``, and results from the fleet.
+
+A command is published on ``cmd.<device_id>.<type>`` (or ``cmd.all.<type>``) with
+``Nats-Msg-Id`` = its id, so a retried send is stored once. Devices answer with events on
+``evt.<device_id>.result``, which reach the hub through the ``FLEET_EVENTS`` aggregates as
+``fleet.<device_id>.evt.<device_id>.result``. Results are read with short-lived ephemeral
+consumers; nothing is kept on the hub besides the streams themselves.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator, Iterable, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from hub_ingest.errors import HubIngestError
+from hub_ingest.provision import AGGREGATES, COMMANDS
+from hub_ingest.registry import Device
+
+RESULT_FILTER = "fleet.*.evt.*.result"
+BROADCAST = "all"
+_EVENTS = next(a for a in AGGREGATES if a.device_stream == "EVENTS")
+
+
+@dataclass(frozen=True, slots=True)
+class Envelope:
+    id: str
+    type: str
+    args: dict[str, Any]
+    issued_at: str
+    expires_at: str
+    device_id: str  # the target: a device id, or "all"
+
+    @property
+    def subject(self) -> str:
+        return f"cmd.{self.device_id}.{self.type}"
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), separators=(",", ":")).encode()
+
+
+def new_envelope(target: str, type_: str, args: Mapping[str, Any], ttl: float) -> Envelope:
+    now = datetime.now(UTC)
+    return Envelope(
+        id=uuid.uuid4().hex,
+        type=type_,
+        args=dict(args),
+        issued_at=_iso(now),
+        expires_at=_iso(now + timedelta(seconds=ttl)),
+        device_id=target,
+    )
+
+
+def _iso(t: datetime) -> str:
+    return t.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+async def send(js: JetStreamContext, envelope: Envelope) -> int:
+    """Publish `envelope` to ``COMMANDS``; its stream sequence."""
+    ack = await js.publish(
+        envelope.subject, envelope.to_json(), headers={"Nats-Msg-Id": envelope.id}
+    )
+    return ack.seq
+
+
+def event_streams(devices: Iterable[Device]) -> list[str]:
+    """The ``FLEET_EVENTS`` shards that source `devices`."""
+    return sorted({_EVENTS.stream_name(d.shard) for d in devices} or {_EVENTS.stream_name(0)})
+
+
+@dataclass
+class CommandStatus:
+    envelope: dict[str, Any] | None
+    subject: str | None
+    results: dict[str, dict[str, Any]] = field(default_factory=dict)
+    expected: list[str] = field(default_factory=list)
+
+    def per_device(self) -> dict[str, str]:
+        """pending / ok / error / rejected / expired for every device concerned."""
+        out = {d: "pending" for d in self.expected}
+        out.update({d: str(r.get("status")) for d, r in self.results.items()})
+        return dict(sorted(out.items()))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "command": self.envelope,
+            "subject": self.subject,
+            "devices": {
+                d: {"status": s, "result": self.results.get(d)}
+                for d, s in self.per_device().items()
+            },
+        }
+
+
+class ResultReader:
+    """Result events from the ``FLEET_EVENTS`` shards, through ephemeral pull consumers."""
+
+    def __init__(self, subs: list[JetStreamContext.PullSubscription]) -> None:
+        self._subs = subs
+
+    @classmethod
+    @asynccontextmanager
+    async def open(
+        cls, js: JetStreamContext, streams: Iterable[str], since: datetime | None
+    ) -> AsyncIterator[ResultReader]:
+        """Read results stored from `since` on, or only new ones when `since` is None."""
+        subs = []
+        try:
+            for stream in streams:
+                config = ConsumerConfig(
+                    ack_policy=AckPolicy.NONE,
+                    deliver_policy=DeliverPolicy.NEW
+                    if since is None
+                    else DeliverPolicy.BY_START_TIME,
+                    opt_start_time=since,
+                    inactive_threshold=30.0,
+                    mem_storage=True,
+                )
+                subs.append(await js.pull_subscribe(RESULT_FILTER, stream=stream, config=config))
+            yield cls(subs)
+        finally:
+            for sub in subs:
+                await sub.unsubscribe()
+
+    async def read(self, timeout: float) -> list[dict[str, Any]]:
+        """Whatever results arrived, waiting up to `timeout` per shard for the first one."""
+        results: list[dict[str, Any]] = []
+        for sub in self._subs:
+            try:
+                msgs = await sub.fetch(256, timeout=timeout)
+            except TimeoutError:
+                continue  # nats-py raises when nothing came
+            results.extend(r for r in map(_result, msgs) if r is not None)
+        return results
+
+    async def pending(self) -> int:
+        total = 0
+        for sub in self._subs:
+            total += (await sub.consumer_info()).num_pending or 0
+        return total
+
+
+def _result(msg: Msg) -> dict[str, Any] | None:
+    try:
+        body = json.loads(msg.data)
+    except ValueError:
+        return None
+    return body if isinstance(body, dict) and "command_id" in body else None
+
+
+async def find_command(js: JetStreamContext, command_id: str) -> tuple[Msg, dict[str, Any]] | None:
+    """The command with `command_id` in the hub's ``COMMANDS``, if it is still there."""
+    config = ConsumerConfig(ack_policy=AckPolicy.NONE, inactive_threshold=30.0, mem_storage=True)
+    sub = await js.pull_subscribe("cmd.>", stream=COMMANDS, config=config)
+    try:
+        pending = (await sub.consumer_info()).num_pending
+        while pending:
+            msgs = await sub.fetch(min(pending, 256), timeout=5.0)
+            for msg in msgs:
+                if (msg.headers or {}).get("Nats-Msg-Id") == command_id:
+                    return msg, json.loads(msg.data)
+            pending = msgs[-1].metadata.num_pending
+        return None
+    finally:
+        await sub.unsubscribe()
+
+
+async def command_status(
+    js: JetStreamContext, command_id: str, devices: list[Device]
+) -> CommandStatus:
+    """Per device concerned, the result of `command_id` so far."""
+    found = await find_command(js, command_id)
+    if found is None:
+        # Gone from COMMANDS (max_age) or never sent: report whatever results exist.
+        status = CommandStatus(None, None)
+        since = datetime.fromtimestamp(0, UTC)
+    else:
+        msg, envelope = found
+        target = msg.subject.split(".")[1]
+        expected = [d.device_id for d in devices] if target == BROADCAST else [target]
+        status = CommandStatus(envelope, msg.subject, expected=expected)
+        since = msg.metadata.timestamp
+    async with ResultReader.open(js, event_streams(devices), since) as reader:
+        while await reader.pending():
+            for result in await reader.read(timeout=5.0):
+                if result.get("command_id") == command_id:
+                    status.results.setdefault(str(result.get("device_id")), result)
+    if found is None and not status.results:
+        raise HubIngestError(f"command {command_id!r} not found in {COMMANDS} or in any result")
+    return status
+
+
+def describe(result: Mapping[str, Any]) -> str:
+    """One line for a result: the error, or the output."""
+    if result.get("error"):
+        return str(result["error"])
+    output = result.get("output")
+    return output if isinstance(output, str) else json.dumps(output)

@@ -1,0 +1,132 @@
+"""``hub-ingest command send`` and ``hub-ingest command status``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from typing import Any
+
+from edge_agent.units import parse_duration
+from hub_ingest.commands import (
+    BROADCAST,
+    ResultReader,
+    command_status,
+    describe,
+    event_streams,
+    new_envelope,
+    send,
+)
+from hub_ingest.config import HubConfig
+from hub_ingest.connect import hub_connection
+from hub_ingest.registry import Registry
+
+DEFAULT_WAIT = 60.0
+
+
+def _arg(text: str) -> tuple[str, Any]:
+    key, sep, raw = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        value = json.loads(raw)  # numbers, lists, objects; anything else stays a string
+    except ValueError:
+        value = raw
+    return key, value
+
+
+def _duration(text: str) -> float:
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def register(sub: Any) -> None:
+    command = sub.add_parser("command", help="send commands to devices, follow their results")
+    actions = command.add_subparsers(dest="action", required=True)
+
+    send_p = actions.add_parser("send", help="publish a command; prints its id")
+    target = send_p.add_mutually_exclusive_group(required=True)
+    target.add_argument("--device", metavar="ID", help="one device")
+    target.add_argument("--all", action="store_true", help="every device (cmd.all.<type>)")
+    send_p.add_argument("type", help="command type: ping, config.get, exec, agent.restart, …")
+    send_p.add_argument(
+        "--arg",
+        action="append",
+        type=_arg,
+        default=[],
+        metavar="K=V",
+        help="argument (JSON or text)",
+    )
+    send_p.add_argument(
+        "--ttl", type=_duration, default=86400.0, help="expires after this long (default 1d)"
+    )
+    send_p.add_argument(
+        "--wait",
+        nargs="?",
+        type=float,
+        const=DEFAULT_WAIT,
+        metavar="SECONDS",
+        help=f"print each device's result as it arrives (default {DEFAULT_WAIT:g}s); "
+        "exit 1 if any failed or did not answer",
+    )
+    send_p.set_defaults(handler=lambda config, args: asyncio.run(_send(config, args)))
+
+    status_p = actions.add_parser("status", help="per device: pending, ok, error, …")
+    status_p.add_argument("command_id")
+    status_p.add_argument("--json", action="store_true")
+    status_p.set_defaults(handler=lambda config, args: asyncio.run(_status(config, args)))
+
+
+async def _send(config: HubConfig, args: argparse.Namespace) -> int:
+    async with hub_connection(config) as nc:
+        js = nc.jetstream(domain=config.nats.domain)
+        registry = await Registry.open(js)
+        devices = await registry.list() if args.all else [await registry.get(args.device)]
+        envelope = new_envelope(
+            BROADCAST if args.all else args.device, args.type, dict(args.arg), args.ttl
+        )
+        if args.wait is None:
+            await send(js, envelope)
+            print(envelope.id)
+            return 0
+        # Listen before sending, so that no result can slip in between.
+        async with ResultReader.open(js, event_streams(devices), since=None) as reader:
+            await send(js, envelope)
+            print(envelope.id, flush=True)
+            waiting = {d.device_id for d in devices}
+            failed = False
+            deadline = time.monotonic() + args.wait
+            while waiting and time.monotonic() < deadline:
+                for result in await reader.read(timeout=min(1.0, args.wait)):
+                    device = str(result.get("device_id"))
+                    if result.get("command_id") != envelope.id or device not in waiting:
+                        continue
+                    waiting.discard(device)
+                    failed |= result.get("status") != "ok"
+                    print(f"{device:<24} {result.get('status'):<9} {describe(result)}", flush=True)
+            for device in sorted(waiting):
+                print(f"{device:<24} {'timeout':<9} no result within {args.wait:g}s")
+        return 1 if failed or waiting else 0
+
+
+async def _status(config: HubConfig, args: argparse.Namespace) -> int:
+    async with hub_connection(config) as nc:
+        js = nc.jetstream(domain=config.nats.domain)
+        devices = await (await Registry.open(js)).list()
+        status = await command_status(js, args.command_id, devices)
+    if args.json:
+        print(json.dumps(status.to_dict(), indent=2))
+        return 0
+    env = status.envelope or {}
+    print(
+        f"command {args.command_id}  type {env.get('type', '?')}  subject {status.subject or '?'}"
+        f"  issued {env.get('issued_at', '?')}  expires {env.get('expires_at', '?')}"
+    )
+    for device, state in status.per_device().items():
+        result = status.results.get(device)
+        detail = f"{result.get('finished_at')}  {describe(result)}" if result else ""
+        print(f"{device:<24} {state:<9} {detail}")
+    return 0
