@@ -37,6 +37,7 @@ from edge_agent.handlers import Handler, builtin_handlers
 from edge_agent.health import LinkTracker, collect_status, heartbeat_payload
 from edge_agent.island import Island
 from edge_agent.ledger import Ledger
+from edge_agent.naming import inbox_prefix
 from edge_agent.notify import Notifier
 from edge_agent.outbox import Drainer, Outbox
 from edge_agent.resume import FastResume
@@ -69,6 +70,9 @@ async def connect_island(config: Config, name: str = "edge-agent") -> Client:
         max_reconnect_attempts=-1,
         reconnect_time_wait=0.5,
         connect_timeout=2,
+        # Replies to requests that cross the link come back on a subject only this device
+        # may subscribe to at the hub (the default _INBOX.> would see everybody's replies).
+        inbox_prefix=inbox_prefix(config.device_id),
         error_cb=on_error,
         disconnected_cb=on_disconnect,
         reconnected_cb=on_reconnect,

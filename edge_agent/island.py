@@ -46,6 +46,17 @@ def _qlist(values: tuple[str, ...] | list[str]) -> str:
     return "[" + ", ".join(_q(v) for v in values) + "]"
 
 
+def read_seed(path: Path) -> str:
+    """The device's NKey seed from its credentials file (written by ``hub-ingest device add``)."""
+    try:
+        seed = path.read_text(encoding="utf-8").strip()
+    except OSError as exc:
+        raise IslandError(f"hub.credentials: cannot read {path}: {exc.strerror}") from None
+    if not (seed.startswith("SU") and len(seed) == 58):
+        raise IslandError(f"hub.credentials: {path} does not hold a NATS user seed (SU...)")
+    return seed
+
+
 def pid_file(config: Config) -> Path:
     return config.agent.state_dir / "nats-server.pid"
 
@@ -55,7 +66,7 @@ def render_config(config: Config) -> str:
     isl, hub = config.island, config.hub
     remote = [f"urls: {_qlist(hub.urls)}"]
     if hub.credentials is not None:
-        remote.append(f"credentials: {_q(hub.credentials)}")
+        remote.append(f"nkey: {_q(read_seed(hub.credentials))}")
     if hub.tls is not None:
         tls = [
             f"{key}: {_q(value)}"
@@ -115,6 +126,9 @@ def write_config(config: Config) -> Path:
     path = config.island.config_path
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
+    # The file holds the device's NKey seed: readable by its owner only.
+    tmp.touch(mode=0o600)
+    tmp.chmod(0o600)
     tmp.write_text(render_config(config), encoding="utf-8")
     check_config(config.island.nats_server, tmp)
     tmp.replace(path)

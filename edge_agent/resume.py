@@ -3,9 +3,9 @@
 The island's ``COMMANDS`` mirror keeps the offline guarantee (commands keep arriving into
 local storage and stay there), but after a cut of more than a few seconds nats-server 2.15
 resumes a mirror only 10-40 s after the leaf link is back. So when the link comes up
-(`LinkTracker`, from ``/leafz``) `FastResume` reads the hub's ``COMMANDS`` itself, through
-``$JS.<hub-domain>.API`` direct gets filtered to ``cmd.<id>.>`` and ``cmd.all.>``, starting
-after the mirror's last sequence, and hands each command to the `Executor`. It stops once
+(`LinkTracker`, from ``/leafz``) `FastResume` reads the mirror's origin, the hub's
+``CMD_<id>``, itself through ``$JS.<hub-domain>.API`` direct gets, starting after the
+mirror's last sequence, and hands each command to the `Executor`. It stops once
 the mirror is live again (its last contact is recent, checked a few seconds after the link
 came up) and holds everything read this way. The executor's ledger makes the mirror's later
 copy of each command a no-op, so a command still runs at most once.
@@ -25,7 +25,8 @@ from nats.js.errors import APIError, NotFoundError
 from edge_agent.commands import Executor, Incoming
 from edge_agent.config import Config
 from edge_agent.health import LinkTracker
-from edge_agent.streams import COMMANDS, HUB_COMMANDS, command_filters
+from edge_agent.naming import command_stream
+from edge_agent.streams import COMMANDS
 
 log = structlog.get_logger(__name__)
 
@@ -45,7 +46,7 @@ class FastResume:
         poll_interval: float = 0.25,
         settle: float = 3.0,
     ) -> None:
-        self._filters = command_filters(config.device_id)
+        self._origin = command_stream(config.device_id)
         self._island = island
         self._hub = hub
         self._link = link
@@ -93,18 +94,13 @@ class FastResume:
         return ran
 
     async def _next(self, cursor: int) -> RawStreamMsg | None:
-        """The first message after `cursor` on either of this device's subjects."""
-        found = []
-        for subject in self._filters:
-            try:
-                found.append(
-                    await self._hub.get_msg(
-                        HUB_COMMANDS, cursor + 1, subject=subject, next=True, direct=True
-                    )
-                )
-            except NotFoundError:
-                continue
-        return min(found, key=lambda m: m.seq or 0, default=None)
+        """The first command after `cursor` in the mirror's origin, if there is one."""
+        try:
+            return await self._hub.get_msg(
+                self._origin, cursor + 1, subject=">", next=True, direct=True
+            )
+        except NotFoundError:
+            return None
 
     async def _mirror_last_seq(self) -> int:
         try:

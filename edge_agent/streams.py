@@ -3,9 +3,10 @@
 - ``TELEMETRY`` (``tele.>``) and ``EVENTS`` (``evt.>``): outbound, file storage, each with its
   own byte budget. JetStream reserves a stream's ``max_bytes`` in the store, so telemetry
   pressure can never evict events or results: it only drops the oldest telemetry.
-- ``COMMANDS``: a mirror of the hub's ``COMMANDS`` through ``$JS.<hub-domain>.API``, filtered
-  to ``cmd.<device_id>.>`` and ``cmd.all.>``, so commands keep arriving into local storage and
-  stay readable while the link is down.
+- ``COMMANDS``: a mirror of the hub's ``CMD_<device_id>`` (the device's slice of the hub's
+  ``COMMANDS``: ``cmd.<device_id>.>`` and ``cmd.all.>``) through ``$JS.<hub-domain>.API``, so
+  commands keep arriving into local storage and stay readable while the link is down. The
+  device is allowed to read that stream and no other (see docs/security.md).
 """
 
 from __future__ import annotations
@@ -21,19 +22,18 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
     StreamSource,
-    SubjectTransform,
 )
 from nats.js.errors import APIError, NotFoundError
 
 from edge_agent.config import Config, StreamBudget
 from edge_agent.errors import StreamError
+from edge_agent.naming import command_stream, to_device_prefix
 
 log = structlog.get_logger(__name__)
 
 TELEMETRY = "TELEMETRY"
 EVENTS = "EVENTS"
 COMMANDS = "COMMANDS"
-HUB_COMMANDS = "COMMANDS"
 MANAGED_BY = {"managed-by": "edge-agent"}
 
 Change = Literal["created", "updated", "recreated", "unchanged"]
@@ -44,10 +44,6 @@ class Reconciled:
     name: str
     change: Change
     fields: tuple[str, ...] = ()
-
-
-def command_filters(device_id: str) -> tuple[str, str]:
-    return (f"cmd.{device_id}.>", "cmd.all.>")
 
 
 def _outbound(name: str, subject: str, budget: StreamBudget) -> StreamConfig:
@@ -67,11 +63,10 @@ def _outbound(name: str, subject: str, budget: StreamBudget) -> StreamConfig:
 def desired_streams(config: Config) -> list[StreamConfig]:
     """The streams the island must have, as configured."""
     mirror = StreamSource(
-        name=HUB_COMMANDS,
-        external=ExternalStream(api=config.hub.api_prefix),
-        subject_transforms=[
-            SubjectTransform(src=f, dest=f) for f in command_filters(config.device_id)
-        ],
+        name=command_stream(config.device_id),
+        external=ExternalStream(
+            api=config.hub.api_prefix, deliver=to_device_prefix(config.device_id)
+        ),
     )
     return [
         _outbound(TELEMETRY, "tele.>", config.streams.telemetry),

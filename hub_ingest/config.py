@@ -14,6 +14,7 @@ from edge_agent.tomlconf import (
     path,
     positive_int,
     read_toml,
+    string,
     url_list,
 )
 from edge_agent.units import parse_duration, parse_size
@@ -28,7 +29,7 @@ class NatsConfig:
 
     servers: tuple[str, ...]
     domain: str
-    credentials: Path | None
+    credentials: Path  # the operators' NKey seed; created by `render-nats-config` if missing
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +56,23 @@ class ServerConfig:
     store_dir: Path
     max_file_store: int
     max_memory_store: int
+    config_file: Path  # where `render-nats-config` writes the server's config
+    auth_file: Path  # users and permissions, rendered from the registry on every device change
+    pid_file: Path  # signalled to reload auth_file when it changes
+
+
+@dataclass(frozen=True, slots=True)
+class IngestConfig:
+    """The Spark job that archives the aggregate streams (``hub-ingest run``)."""
+
+    archive: Path  # Parquet, partitioned by date; a local path or any Hadoop URI
+    checkpoint: Path  # Spark's checkpoint: the only record of what has been archived
+    master: str
+    trigger_interval: float  # seconds between micro-batches when running continuously
+    max_messages_per_trigger: int
+    messages_per_partition: int
+    fail_on_data_loss: bool
+    payload_schema: str | None  # Spark DDL of JSON payloads, e.g. "temp DOUBLE, unit STRING"
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +82,7 @@ class HubConfig:
     aggregates: AggregatesConfig
     server: ServerConfig
     state_dir: Path
+    ingest: IngestConfig
     source: Path | None = None
 
 
@@ -76,6 +95,12 @@ def _limit_size(value: object) -> int:
     return -1 if value == -1 else parse_size(value)
 
 
+def _boolean(value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"expected true or false, got {value!r}")
+    return value
+
+
 def _parse(data: dict[str, Any], source: Path | None) -> HubConfig:
     root = Section(data)
     state_dir = root.get("state_dir", path, Path("/var/lib/hub-ingest"))
@@ -84,7 +109,7 @@ def _parse(data: dict[str, Any], source: Path | None) -> HubConfig:
     nats = NatsConfig(
         servers=nats_sec.get("servers", url_list, ("nats://127.0.0.1:4222",)),
         domain=nats_sec.get("domain", identifier, "hub"),
-        credentials=nats_sec.get("credentials", path, None),
+        credentials=nats_sec.get("credentials", path, state_dir / "operator.nk"),
     )
     nats_sec.finish()
 
@@ -113,10 +138,33 @@ def _parse(data: dict[str, Any], source: Path | None) -> HubConfig:
         # Explicit: nats-server would otherwise take 75% of the disk free at start-up.
         max_file_store=srv.get("max_file_store", parse_size, 10 * 1024**3),
         max_memory_store=srv.get("max_memory_store", parse_size, 256 * 1024**2),
+        config_file=srv.get("config_file", path, state_dir / "nats-server.conf"),
+        auth_file=srv.get("auth_file", path, state_dir / "auth.conf"),
+        pid_file=srv.get("pid_file", path, state_dir / "nats-server.pid"),
     )
     srv.finish()
+    if commands.max_bytes >= server.max_file_store:
+        # JetStream reserves a stream's max_bytes: nothing would be left for the fleet.
+        raise agent_errors.ConfigError(
+            "commands.max_bytes",
+            f"{commands.max_bytes} leaves nothing of server.max_file_store "
+            f"({server.max_file_store}) for the fleet's streams",
+        )
+
+    ing = root.table("ingest")
+    ingest = IngestConfig(
+        archive=ing.get("archive", path, state_dir / "archive"),
+        checkpoint=ing.get("checkpoint", path, state_dir / "checkpoint"),
+        master=ing.get("master", string, "local[*]"),
+        trigger_interval=ing.get("trigger_interval", parse_duration, 10.0),
+        max_messages_per_trigger=ing.get("max_messages_per_trigger", positive_int, 500_000),
+        messages_per_partition=ing.get("messages_per_partition", positive_int, 50_000),
+        fail_on_data_loss=ing.get("fail_on_data_loss", _boolean, True),
+        payload_schema=ing.get("payload_schema", string, None),
+    )
+    ing.finish()
     root.finish()
-    return HubConfig(nats, commands, aggregates, server, state_dir, source)
+    return HubConfig(nats, commands, aggregates, server, state_dir, ingest, source)
 
 
 def parse_hub_config(data: dict[str, Any], source: Path | None = None) -> HubConfig:

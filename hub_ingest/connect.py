@@ -14,11 +14,10 @@ from hub_ingest.config import HubConfig
 @asynccontextmanager
 async def hub_connection(config: HubConfig, name: str = "hub-ingest") -> AsyncIterator[Client]:
     """A connection to the hub that is drained on exit."""
-    creds = str(config.nats.credentials) if config.nats.credentials else None
     nc = await nats.connect(
         list(config.nats.servers),
         name=name,
-        user_credentials=creds,
+        nkeys_seed=str(config.nats.credentials),
         connect_timeout=5,
         max_reconnect_attempts=-1,
         allow_reconnect=True,

@@ -5,13 +5,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 from edge_agent.tomlconf import identifier
 from hub_ingest.config import HubConfig
 from hub_ingest.connect import hub_connection
-from hub_ingest.provision import provision
+from hub_ingest.enrol import enrol, retire
 from hub_ingest.registry import Registry
 
 
@@ -29,6 +31,14 @@ def register(sub: Any) -> None:
     add = device.add_parser("add", help="register a device and source its streams")
     add.add_argument("device_id", type=_device_id)
     add.add_argument("--domain", type=_device_id, help="its island's domain (default edge-<id>)")
+    add.add_argument(
+        "--key", help="the device's own public NKey (U...); without it the hub makes a key pair"
+    )
+    add.add_argument(
+        "--seed-out",
+        type=Path,
+        help="where to write a new key's seed (mode 0600; default <state_dir>/credentials/ID.nk)",
+    )
     remove = device.add_parser("remove", help="stop sourcing a device (archived data stays)")
     remove.add_argument("device_id", type=_device_id)
     listing = device.add_parser("list", help="registered devices")
@@ -50,14 +60,24 @@ async def _device(config: HubConfig, args: argparse.Namespace) -> int:
                     print(f"{d.device_id:<24} {d.domain:<28} shard {d.shard}  added {d.added_at}")
             return 0
         if args.action == "add":
-            domain = args.domain or f"edge-{args.device_id}"
-            per_shard = config.aggregates.max_sources_per_stream
-            added = await registry.add(args.device_id, domain, per_shard)
-            print(f"added {added.device_id} (domain {added.domain}, shard {added.shard})")
+            change = await enrol(
+                js,
+                config,
+                args.device_id,
+                domain=args.domain,
+                key=args.key,
+                seed_file=args.seed_out,
+            )
+            d = change.device
+            print(f"added {d.device_id} (domain {d.domain}, shard {d.shard}, key {d.nkey})")
+            if change.seed_file is not None:
+                print(f"credentials: {change.seed_file} (copy to the device; hub.credentials)")
         else:
-            removed = await registry.remove(args.device_id)
-            print(f"removed {removed.device_id}")
-        for result in await provision(js, config, await registry.list()):
+            change = await retire(js, config, args.device_id)
+            print(f"removed {change.device.device_id}")
+        if not change.reloaded:
+            print("reload the hub's nats-server to apply the new users file", file=sys.stderr)
+        for result in change.streams:
             if result.change != "unchanged":
                 print(f"{result.name:<24} {result.change}")
     return 0

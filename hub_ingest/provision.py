@@ -6,6 +6,9 @@
   A subject transform puts the device id in the subject (``tele.>`` on device d becomes
   ``fleet.d.tele.>``). Aggregate streams have no subjects of their own: listening on a
   subject devices publish would store every message twice.
+- ``EDGE_TELEMETRY_<id>`` and ``EDGE_EVENTS_<id>`` *mirror* the same device streams. A source
+  stamps each message with the hub's arrival time; a mirror keeps the device's sequence
+  numbers and store times exactly, so the ingest reads ``device_time`` from the mirror.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from nats.js.api import (
 )
 
 from edge_agent.errors import StreamError
+from edge_agent.naming import command_filters, command_stream, to_hub_prefix
 from edge_agent.streams import Reconciled, reconcile_stream
 from hub_ingest.config import HubConfig
 from hub_ingest.errors import ProvisionError
@@ -51,16 +55,62 @@ class Aggregate:
         return f"fleet.{device_id}.{self.prefix}"
 
 
+def mirror_name(device_stream: str, device_id: str) -> str:
+    """The hub's mirror of one device stream (``TELEMETRY`` of ``a``: ``EDGE_TELEMETRY_a``)."""
+    return f"EDGE_{device_stream}_{device_id}"
+
+
 AGGREGATES = (
     Aggregate("FLEET_TELEMETRY", "TELEMETRY", "tele"),
     Aggregate("FLEET_EVENTS", "EVENTS", "evt"),
 )
 
 
+def device_mirror(config: HubConfig, aggregate: Aggregate, device: Device) -> StreamConfig:
+    """The hub's copy of one device stream, with the device's sequences and store times."""
+    return StreamConfig(
+        name=mirror_name(aggregate.device_stream, device.device_id),
+        storage=StorageType.FILE,
+        discard=DiscardPolicy.OLD,
+        # The ingest reads device times here when it archives a row: keep them as long as
+        # the aggregates keep the rows.
+        max_bytes=config.aggregates.max_bytes,
+        max_age=config.aggregates.max_age,
+        mirror=StreamSource(name=aggregate.device_stream, external=_from_device(device)),
+        allow_direct=True,
+        metadata=MANAGED_BY,
+    )
+
+
+def _from_device(device: Device) -> ExternalStream:
+    # Deliveries on a prefix only this device may publish to (see hub_ingest.auth).
+    return ExternalStream(api=device.api_prefix, deliver=to_hub_prefix(device.device_id))
+
+
+def device_commands(config: HubConfig, device: Device) -> StreamConfig:
+    """``CMD_<id>``: the device's commands and the broadcasts, the one stream it may read."""
+    return StreamConfig(
+        name=command_stream(device.device_id),
+        storage=StorageType.FILE,
+        discard=DiscardPolicy.OLD,
+        max_age=config.commands.max_age,
+        sources=[
+            StreamSource(
+                name=COMMANDS,
+                subject_transforms=[
+                    SubjectTransform(src=f, dest=f) for f in command_filters(device.device_id)
+                ],
+            )
+        ],
+        allow_direct=True,
+        metadata=MANAGED_BY,
+    )
+
+
 def device_source(aggregate: Aggregate, device: Device) -> StreamSource:
     return StreamSource(
         name=aggregate.device_stream,
-        external=ExternalStream(api=device.api_prefix),
+        external=_from_device(device),
         subject_transforms=[
             SubjectTransform(
                 src=f"{aggregate.prefix}.>", dest=f"{aggregate.subject_prefix(device.device_id)}.>"
@@ -118,6 +168,11 @@ async def stream_names(js: JetStreamContext) -> list[str]:
     return names
 
 
+async def aggregate_stream_names(js: JetStreamContext) -> list[str]:
+    """Every aggregate stream (all shards), sorted."""
+    return sorted(name for name in await stream_names(js) if _shard_of(name))
+
+
 def _shard_of(name: str) -> list[int]:
     for aggregate in AGGREGATES:
         if name == aggregate.base_name:
@@ -134,8 +189,11 @@ async def provision(
     """Create or update ``COMMANDS`` and every aggregate stream; safe to repeat."""
     # Shards whose last device was removed still exist and must stop sourcing it.
     shards = {shard for name in await stream_names(js) for shard in _shard_of(name)}
+    devices = list(devices)
+    mirrors = [device_mirror(config, a, d) for a in AGGREGATES for d in devices]
+    commands = [commands_stream(config), *(device_commands(config, d) for d in devices)]
     results = []
-    for want in [commands_stream(config), *aggregate_streams(config, devices, shards)]:
+    for want in [*commands, *mirrors, *aggregate_streams(config, devices, shards)]:
         try:
             result = await reconcile_stream(js, want)
         except StreamError as exc:

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from hub_ingest.auth import write_auth
 from hub_ingest.config import HubConfig
 from hub_ingest.connect import hub_connection
 from hub_ingest.provision import provision
@@ -18,8 +19,13 @@ from hub_ingest.server import render_server_config
 def register(sub: Any) -> None:
     p = sub.add_parser("provision", help="create or update COMMANDS and the aggregate streams")
     p.set_defaults(handler=lambda config, args: asyncio.run(_provision(config)))
-    r = sub.add_parser("render-nats-config", help="print the hub's nats-server config")
-    r.add_argument("-o", "--output", type=Path, help="write to this file instead of stdout")
+    r = sub.add_parser(
+        "render-nats-config",
+        help="write the hub's nats-server config (and, if missing, its users file)",
+    )
+    r.add_argument(
+        "-o", "--output", type=Path, help="write here instead of server.config_file ('-': stdout)"
+    )
     r.set_defaults(handler=_render)
 
 
@@ -33,9 +39,14 @@ async def _provision(config: HubConfig) -> int:
 
 
 def _render(config: HubConfig, args: argparse.Namespace) -> int:
-    text = render_server_config(config)
-    if args.output is None:
-        sys.stdout.write(text)
-    else:
-        args.output.write_text(text, encoding="utf-8")
+    if not config.server.auth_file.exists():
+        # First start: only the operators; `device add` rewrites it from the registry.
+        print(f"wrote {write_auth(config, [])} (operators only)", file=sys.stderr)
+    if args.output is not None and str(args.output) == "-":
+        sys.stdout.write(render_server_config(config))
+        return 0
+    target = args.output or config.server.config_file
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(render_server_config(config, target), encoding="utf-8")
+    print(target)
     return 0

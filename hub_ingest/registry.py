@@ -33,6 +33,7 @@ class Device:
     domain: str
     shard: int
     added_at: str
+    nkey: str  # the public key the device's leaf connection authenticates with
 
     @property
     def api_prefix(self) -> str:
@@ -69,16 +70,19 @@ class Registry:
         assert entry.value is not None
         return Device(**json.loads(entry.value))
 
-    async def add(self, device_id: str, domain: str, max_per_shard: int) -> Device:
+    async def add(self, device_id: str, domain: str, max_per_shard: int, nkey: str) -> Device:
         existing = await self.list()
         if any(d.device_id == device_id for d in existing):
             raise RegistryError(f"device {device_id!r} is already registered")
         clash = next((d for d in existing if d.domain == domain), None)
         if clash is not None:
             raise RegistryError(f"domain {domain!r} is already used by device {clash.device_id!r}")
+        holder = next((d for d in existing if d.nkey == nkey), None)
+        if holder is not None:
+            raise RegistryError(f"key {nkey} is already used by device {holder.device_id!r}")
         load = Counter(d.shard for d in existing)
         shard = next(i for i in range(len(existing) + 1) if load[i] < max_per_shard)
-        device = Device(device_id, domain, shard, utc_now_iso())
+        device = Device(device_id, domain, shard, utc_now_iso(), nkey)
         try:
             await self._kv.create(device_id, json.dumps(asdict(device)).encode())
         except KeyWrongLastSequenceError:

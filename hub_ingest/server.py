@@ -1,20 +1,31 @@
-"""The hub's nats-server configuration: JetStream in the hub domain plus a leaf listener."""
+"""The hub's nats-server configuration: JetStream in the hub domain plus a leaf listener.
+
+Users and their permissions live in a second file (`hub_ingest.auth`), included from this
+one, so that registering a device rewrites only that file and reloads the server.
+"""
 
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 from hub_ingest.config import HubConfig
 
 
-def render_server_config(config: HubConfig) -> str:
+def render_server_config(config: HubConfig, config_file: Path | None = None) -> str:
     srv = config.server
+    where = (config_file or srv.config_file).resolve().parent
+    # nats-server resolves includes relative to the including file.
+    include = os.path.relpath(srv.auth_file.resolve(), where)
     source = f" from {config.source}" if config.source else ""
     return f"""\
 # Rendered by hub-ingest{source}; edit the hub config instead.
 server_name: {json.dumps(srv.server_name)}
 listen: {json.dumps(srv.listen)}
 http: {json.dumps(srv.monitor_listen)}
+pid_file: {json.dumps(str(srv.pid_file))}
+include {json.dumps(include)}
 
 jetstream {{
   domain: {json.dumps(config.nats.domain)}

@@ -84,11 +84,12 @@ def _inventory(path: Path, wheelhouse: Path, hosts: dict[str, dict[str, Any]]) -
     return path
 
 
-def _host(root: Path, device_id: str, hub_url: str) -> dict[str, Any]:
+def _host(root: Path, device_id: str, hub_url: str, credentials: Path) -> dict[str, Any]:
     return {
         "edge_agent_root": str(scratch_root(root)),
         "edge_agent_device_id": device_id,
         "edge_agent_hub_urls": [hub_url],
+        "edge_agent_hub_credentials": str(credentials),
         "edge_agent_client_listen": f"127.0.0.1:{free_port()}",
         "edge_agent_monitor_listen": f"127.0.0.1:{free_port()}",
     }
@@ -169,7 +170,7 @@ async def test_role_converges_twice_and_installs_a_healthy_agent(
     """Second run changes nothing; the installed agent links to the hub and reports healthy."""
     await hub.register("dev1")
     root = tmp_path / "dev1"
-    host = _host(root, "dev1", f"nats-leaf://127.0.0.1:{hub.leaf_port}")
+    host = _host(root, "dev1", f"nats-leaf://127.0.0.1:{hub.leaf_port}", hub.seed_file("dev1"))
     inventory = _inventory(tmp_path / "inventory.yml", wheelhouse, {"dev1": host})
 
     first = await asyncio.to_thread(_playbook, "site.yml", inventory)
@@ -196,7 +197,8 @@ async def test_rollout_rolls_back_a_failing_host_and_stops(
         await hub.register(name)
         # dev2's leaf URL leads nowhere: its agent runs, its link never comes up.
         port = free_port() if name == "dev2" else hub.leaf_port
-        hosts[name] = _host(tmp_path / name, name, f"nats-leaf://127.0.0.1:{port}")
+        url = f"nats-leaf://127.0.0.1:{port}"
+        hosts[name] = _host(tmp_path / name, name, url, hub.seed_file(name))
     inventory = _inventory(tmp_path / "inventory.yml", wheelhouse, hosts)
     base = await asyncio.to_thread(_playbook, "site.yml", inventory)
     assert base.returncode == 0, base.stdout[-6000:] + base.stderr

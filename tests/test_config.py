@@ -8,8 +8,9 @@ import pytest
 
 from edge_agent.cli import main
 from edge_agent.config import load_config, parse_config
-from edge_agent.errors import ConfigError
+from edge_agent.errors import ConfigError, IslandError
 from edge_agent.island import check_config, render_config
+from hub_ingest.auth import new_seed
 from tests.support.cluster import NATS_SERVER, run_cli
 
 MINIMAL = """
@@ -91,20 +92,39 @@ def test_rendered_island_config_passes_nats_server_t(tmp_path: Path) -> None:
             "credentials": str(tmp_path / "d1.creds"),
         },
     }
+    (tmp_path / "d1.creds").write_text(new_seed() + "\n")
     config = parse_config(data)
     text = render_config(config)
     assert 'domain: "edge-d1"' in text
     assert "max_file_store: 1073741824" in text
     assert 'reconnect: "250ms"' in text
     assert '"tele.>"' in text
+    assert 'nkey: "SU' in text
     path = tmp_path / "island.conf"
     path.write_text(text)
-    (tmp_path / "d1.creds").write_text("")
     check_config(NATS_SERVER, path)
 
 
-def test_render_command_writes_checked_file(tmp_path: Path) -> None:
+def test_bad_credentials_file_is_named(tmp_path: Path) -> None:
+    (tmp_path / "d1.creds").write_text("not a seed\n")
+    config = parse_config(
+        {
+            "device_id": "d1",
+            "island": {"max_file_store": "1GiB"},
+            "hub": {
+                "urls": ["nats-leaf://127.0.0.1:7422"],
+                "credentials": str(tmp_path / "d1.creds"),
+            },
+        }
+    )
+    with pytest.raises(IslandError, match=r"hub.credentials: .*d1.creds does not hold a NATS"):
+        render_config(config)
+
+
+def test_render_command_writes_checked_file_for_owner_only(tmp_path: Path) -> None:
+    """The rendered island config holds the device's seed: mode 0600."""
     path = _write(tmp_path, MINIMAL + f'[agent]\nstate_dir = "{tmp_path}"\n')
     out = tmp_path / "out.conf"
     assert main(["-c", str(path), "render-nats-config", "-o", str(out)]) == 0
     assert 'server_name: "edge-d1"' in out.read_text()
+    assert out.stat().st_mode & 0o777 == 0o600

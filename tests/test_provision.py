@@ -32,10 +32,17 @@ async def test_provision_is_idempotent_and_listens_on_no_device_subject(hub: Hub
         assert not info.config.subjects
     (telemetry,) = await _sources(hub, "FLEET_TELEMETRY")
     assert telemetry["name"] == "TELEMETRY"
-    assert telemetry["external"] == {"api": "$JS.edge-a.API", "deliver": ""}
+    # Deliveries on a prefix that only device a may publish to.
+    assert telemetry["external"] == {"api": "$JS.edge-a.API", "deliver": "hubin.a"}
     assert telemetry["subject_transforms"] == [{"src": "tele.>", "dest": "fleet.a.tele.>"}]
     commands = await hub.js.stream_info("COMMANDS")
     assert commands.config.subjects == ["cmd.>"]
+    (mine,) = await _sources(hub, "CMD_a")
+    assert mine["name"] == "COMMANDS"
+    assert mine["subject_transforms"] == [
+        {"src": "cmd.a.>", "dest": "cmd.a.>"},
+        {"src": "cmd.all.>", "dest": "cmd.all.>"},
+    ]
 
 
 async def test_devices_spread_over_shards_and_keep_them(tmp_path: Path) -> None:
@@ -65,11 +72,11 @@ async def test_devices_spread_over_shards_and_keep_them(tmp_path: Path) -> None:
 
 async def test_registry_refuses_duplicates_and_unknown_devices(hub: Hub) -> None:
     registry = await Registry.open(hub.js)
-    await registry.add("a", "edge-a", 10)
+    await registry.add("a", "edge-a", 10, "UA")
     with pytest.raises(RegistryError, match="'a' is already registered"):
-        await registry.add("a", "edge-a", 10)
+        await registry.add("a", "edge-a", 10, "UB")
     with pytest.raises(RegistryError, match="domain 'edge-a' is already used by device 'a'"):
-        await registry.add("b", "edge-a", 10)
+        await registry.add("b", "edge-a", 10, "UC")
     with pytest.raises(RegistryError, match="'zz' is not registered"):
         await registry.remove("zz")
 
@@ -84,7 +91,11 @@ async def test_device_cli_round_trip(hub: Hub, tmp_path: Path) -> None:
 
     code, out, _ = await asyncio.to_thread(cli, "device", "add", "truck-7")
     assert code == 0
-    assert "added truck-7 (domain edge-truck-7, shard 0)" in out
+    assert "added truck-7 (domain edge-truck-7, shard 0, key U" in out
+    seed = Path(hub.config.state_dir) / "credentials" / "truck-7.nk"
+    assert f"credentials: {seed}" in out
+    assert seed.stat().st_mode & 0o777 == 0o600
+    assert seed.read_text().startswith("SU")
     code, out, _ = await asyncio.to_thread(cli, "device", "list", "--json")
     assert [d["device_id"] for d in json.loads(out)] == ["truck-7"]
     assert [s["name"] for s in await _sources(hub, "FLEET_EVENTS")] == ["EVENTS"]

@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,8 +24,11 @@ from nats.js.api import RawStreamMsg
 
 from edge_agent.app import Agent
 from edge_agent.config import Config, parse_config
+from edge_agent.handlers import Handler
 from edge_agent.island import Monitor, resolve_nats_server, wait_healthy
+from hub_ingest.auth import write_auth
 from hub_ingest.config import HubConfig, parse_hub_config
+from hub_ingest.enrol import enrol
 from hub_ingest.provision import provision
 from hub_ingest.registry import Registry
 from hub_ingest.server import render_server_config
@@ -110,11 +114,19 @@ class Hub:
     def url(self) -> str:
         return self.config.nats.servers[0]
 
+    def seed_file(self, device_id: str) -> Path:
+        return self.root / device_id / "hub.nk"
+
     async def register(self, device_id: str) -> None:
+        """Enrol the device (key, users file, reload) if it is not yet; provision its streams."""
         registry = await Registry.open(self.js)
-        await registry.add(
-            device_id, f"edge-{device_id}", self.config.aggregates.max_sources_per_stream
-        )
+        if device_id in {d.device_id for d in await registry.list()}:
+            await self.provision()
+        else:
+            await enrol(self.js, self.config, device_id, seed_file=self.seed_file(device_id))
+
+    async def provision(self) -> None:
+        registry = await Registry.open(self.js)
         await provision(self.js, self.config, await registry.list())
 
     async def restart(self) -> None:
@@ -122,8 +134,25 @@ class Hub:
         self.server.kill()
         await self.server.start()
 
-    async def device(self, device_id: str, **agent_overrides: Any) -> Device:
-        """Register `device_id`, then start its agent (child-mode island) behind a proxy."""
+    async def device(
+        self,
+        device_id: str,
+        *,
+        sections: dict[str, dict[str, Any]] | None = None,
+        handlers: Mapping[str, Handler] | None = None,
+        start: bool = True,
+        register_when_ready: bool = False,
+        **agent_overrides: Any,
+    ) -> Device:
+        """Register `device_id`, then start its agent (child-mode island) behind a proxy.
+
+        `sections` adds config tables (``{"commands": {...}}``), `handlers` replaces the
+        built-in command handlers; with ``start=False`` the agent is left for the test to
+        run (e.g. as a subprocess). With `register_when_ready` the device is registered once
+        its streams exist: the hub's sources then start at once instead of 10-40 s later
+        (with ``start=False`` too, the test then calls `register` itself).
+        """
+        # Enrolled up front: the hub admits no leaf connection without a registered key.
         await self.register(device_id)
         proxy = await TcpProxy(self.leaf_port).start()
         state = self.root / device_id
@@ -137,10 +166,17 @@ class Hub:
                 "monitor_listen": f"127.0.0.1:{free_port()}",
                 "nats_server": NATS_SERVER,
             },
-            "hub": {"urls": [f"nats-leaf://127.0.0.1:{proxy.port}"]},
+            "hub": {
+                "urls": [f"nats-leaf://127.0.0.1:{proxy.port}"],
+                "credentials": str(self.seed_file(device_id)),
+            },
+            **(sections or {}),
         }
-        device = Device(parse_config(data), proxy)
-        await device.start()
+        device = Device(parse_config(data), proxy, handlers=handlers)
+        if start:
+            await device.start()
+        if register_when_ready and start:
+            await self.provision()
         self.devices.append(device)
         return device
 
@@ -159,6 +195,7 @@ class Hub:
 class Device:
     config: Config
     proxy: TcpProxy
+    handlers: Mapping[str, Handler] | None = None
     agent: Agent | None = None
     task: asyncio.Task[None] | None = None
     nc: Client | None = None
@@ -177,7 +214,7 @@ class Device:
         return self.nc.jetstream()
 
     async def start(self) -> None:
-        self.agent = Agent(self.config)
+        self.agent = Agent(self.config, handlers=self.handlers)
         self.task = asyncio.create_task(self.agent.run())
         ready = asyncio.create_task(self.agent.ready.wait())
         done, _ = await asyncio.wait({ready, self.task}, timeout=60, return_when="FIRST_COMPLETED")
@@ -185,6 +222,10 @@ class Device:
             ready.cancel()
             self.task.result()
         assert ready in done, f"agent {self.id} not ready within 60s"
+        await self.connect()
+
+    async def connect(self) -> None:
+        """Connect `nc` to the island (done by `start`; call it when the agent is a subprocess)."""
         if self.nc is None:
             self.nc = await nats.connect(
                 self.config.island.client_url,
@@ -230,12 +271,17 @@ async def start_hub(root: Path, **aggregates: Any) -> Hub:
             },
         }
     )
-    conf = root / "hub.conf"
-    root.mkdir(parents=True, exist_ok=True)
+    conf = config.server.config_file
+    conf.parent.mkdir(parents=True, exist_ok=True)
+    write_auth(config, [])
     conf.write_text(render_server_config(config))
     server = await NatsServer(conf, f"http://127.0.0.1:{monitor_port}").start()
     nc = await nats.connect(
-        config.nats.servers[0], max_reconnect_attempts=-1, reconnect_time_wait=0.2, error_cb=_quiet
+        config.nats.servers[0],
+        nkeys_seed=str(config.nats.credentials),
+        max_reconnect_attempts=-1,
+        reconnect_time_wait=0.2,
+        error_cb=_quiet,
     )
     js = nc.jetstream(domain=config.nats.domain)
     await provision(js, config, [])
@@ -253,8 +299,8 @@ def run_cli(module: str, *args: str, timeout: float = 60) -> subprocess.Complete
     )
 
 
-def write_agent_config(device: Device, path: Path) -> Path:
-    """The device's config as TOML, for tests that drive the CLI."""
+def write_agent_config(device: Device, path: Path, extra: str = "") -> Path:
+    """The device's config as TOML, for tests that drive the CLI; `extra` is appended."""
     cfg = device.config
     path.write_text(
         f"""device_id = {json.dumps(cfg.device_id)}
@@ -268,7 +314,8 @@ supervise = "child"
 nats_server = {json.dumps(cfg.island.nats_server)}
 [hub]
 urls = {json.dumps(list(cfg.hub.urls))}
-"""
+credentials = {json.dumps(str(cfg.hub.credentials))}
+{extra}"""
     )
     return path
 

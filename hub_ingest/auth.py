@@ -1,0 +1,138 @@
+"""Who may do what on the hub: one NKey per device, with permissions that name only its own.
+
+All devices and the operators share the hub account ``FLEET`` (so the hub's streams can
+mirror device streams and devices can mirror ``CMD_<id>``), and each device's leaf
+connection is held to subjects that carry its own id (docs/security.md has the threat model):
+
+- it may create consumers on, and direct-get from, ``CMD_<id>`` only: not ``COMMANDS``, not
+  another device's ``CMD_*``, not ``FLEET_*``;
+- it may publish nothing under ``cmd.>`` (nor any plain subject), only deliveries of the
+  hub's mirrors of its own streams (``hubin.<id>.>``) and replies to requests it was sent;
+- it receives only requests for its own JetStream domain, deliveries of its own mirror
+  (``devin.<id>.>``) and replies to its own requests (``_INBOX_<id>.>``).
+
+The hub stores public keys only; a device's seed is written once, mode 0600, for the device.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import nkeys
+
+from edge_agent.island import Monitor
+from edge_agent.naming import command_stream, inbox_prefix, to_device_prefix, to_hub_prefix
+from hub_ingest.config import HubConfig
+from hub_ingest.errors import HubIngestError
+from hub_ingest.registry import Device
+
+ACCOUNT = "FLEET"
+
+
+def new_seed() -> str:
+    """A fresh NATS user seed (``SU...``)."""
+    seed: bytes = nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER)
+    return seed.decode()
+
+
+def public_key(seed: str) -> str:
+    key: bytes = nkeys.from_seed(bytearray(seed.encode())).public_key
+    return key.decode()
+
+
+def write_secret(path: Path, text: str) -> None:
+    """Write `text` to `path` readable by its owner only, never briefly wider."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as out:
+        out.write(text + "\n")
+    path.chmod(0o600)
+
+
+def ensure_operator_key(config: HubConfig) -> str:
+    """The operators' public key, creating their seed file on first use."""
+    seed_file = config.nats.credentials
+    if not seed_file.exists():
+        write_secret(seed_file, new_seed())
+    return public_key(seed_file.read_text(encoding="utf-8").strip())
+
+
+def device_permissions(device: Device, hub_domain: str) -> dict[str, Any]:
+    api = f"$JS.{hub_domain}.API"
+    commands = command_stream(device.device_id)
+    return {
+        "publish": {
+            "allow": [
+                f"{api}.CONSUMER.CREATE.{commands}",
+                f"{api}.CONSUMER.CREATE.{commands}.>",
+                f"{api}.DIRECT.GET.{commands}",
+                f"{api}.DIRECT.GET.{commands}.>",
+                f"{api}.STREAM.INFO.{commands}",
+                f"{to_hub_prefix(device.device_id)}.>",
+                # Flow control of mirrors and replies to mirror set-up carry no data.
+                "$JS.FC.>",
+                "$JSC.R.>",
+            ]
+        },
+        "subscribe": {
+            "allow": [
+                f"$JS.{device.domain}.API.>",
+                f"{to_device_prefix(device.device_id)}.>",
+                f"{inbox_prefix(device.device_id)}.>",
+                "$JS.FC.>",
+                "$JSC.R.>",
+            ]
+        },
+        "allow_responses": True,
+    }
+
+
+def render_auth(operator_key: str, devices: Iterable[Device], hub_domain: str) -> str:
+    users: list[dict[str, Any]] = [{"nkey": operator_key}]
+    for device in devices:
+        users.append({"nkey": device.nkey, "permissions": device_permissions(device, hub_domain)})
+    lines = ",\n      ".join(json.dumps(user) for user in users)
+    return f"""\
+# Rendered by hub-ingest from the device registry; every `device add|remove` rewrites it.
+accounts {{
+  {ACCOUNT}: {{
+    jetstream: enabled
+    users: [
+      {lines}
+    ]
+  }}
+}}
+"""
+
+
+def write_auth(config: HubConfig, devices: Iterable[Device]) -> Path:
+    text = render_auth(ensure_operator_key(config), devices, config.nats.domain)
+    write_secret(config.server.auth_file, text.rstrip("\n"))
+    return config.server.auth_file
+
+
+async def reload_server(config: HubConfig, timeout: float = 10.0) -> bool:
+    """Ask the local hub server to re-read its config; False if it does not run here."""
+    try:
+        pid = int(config.server.pid_file.read_text().strip())
+    except (OSError, ValueError):
+        return False
+    monitor = Monitor(f"http://{config.server.monitor_listen}")
+    before = (await monitor.get("/varz")).get("config_load_time")
+    try:
+        os.kill(pid, signal.SIGHUP)
+    except ProcessLookupError:
+        return False
+    deadline = time.monotonic() + timeout
+    while (await monitor.get("/varz")).get("config_load_time") == before:
+        if time.monotonic() > deadline:
+            raise HubIngestError(f"hub nats-server (pid {pid}) did not reload within {timeout}s")
+        await asyncio.sleep(0.05)
+    return True
