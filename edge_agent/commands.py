@@ -96,6 +96,8 @@ def _envelope(item: Incoming, max_payload: int) -> dict[str, Any]:
         body = json.loads(item.data)
     except ValueError as exc:
         raise CommandRefused("payload", f"not JSON ({exc})") from None
+    except RecursionError:  # e.g. 4,000 nested "[": fits max_payload, too deep for json
+        raise CommandRefused("payload", "JSON nested too deeply") from None
     if not isinstance(body, dict):
         raise CommandRefused("payload", f"expected a JSON object, got {type(body).__name__}")
     return body

@@ -223,6 +223,7 @@ class Island:
         *,
         start_timeout: float = 30.0,
         stop_timeout: float = 10.0,
+        unhealthy_restart_after: float = 10.0,
         on_up: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.config = config
@@ -232,6 +233,7 @@ class Island:
         self.starts = 0
         self._start_timeout = start_timeout
         self._stop_timeout = stop_timeout
+        self._unhealthy_restart_after = unhealthy_restart_after
         self._on_up = on_up
         self._proc: asyncio.subprocess.Process | None = None
 
@@ -284,16 +286,31 @@ class Island:
         log.info("island_started", pid=self._proc.pid, config=str(self.config.island.config_path))
 
     async def _watch(self) -> None:
-        """Return when the island stops: the child exits, or the endpoint stops answering."""
-        if self._proc is not None:
-            code = await self._proc.wait()
-            log.warning("island_exited", pid=self._proc.pid, code=code)
-            self._proc = None
-            return
-        misses = 0
-        while misses < 3:
-            await asyncio.sleep(1.0)
-            misses = 0 if await self.monitor.healthy() else misses + 1
+        """Return when the island stops serving: the child exits, or it stays unhealthy.
+
+        A JetStream store that hit a write error (disk full) stays unavailable after the
+        space comes back, until the server restarts: in child mode this restarts it.
+        """
+        unhealthy_since: float | None = None
+        while True:
+            proc = self._proc
+            if proc is not None:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(proc.wait(), 1.0)
+                if proc.returncode is not None:
+                    log.warning("island_exited", pid=proc.pid, code=proc.returncode)
+                    self._proc = None
+                    return
+            else:
+                await asyncio.sleep(1.0)
+            if await self.monitor.healthy():
+                unhealthy_since = None
+                continue
+            unhealthy_since = unhealthy_since or time.monotonic()
+            if time.monotonic() - unhealthy_since >= self._unhealthy_restart_after:
+                log.warning("island_unhealthy", restarting=self.child_mode)
+                await self.stop()
+                return
 
     async def stop(self) -> None:
         """Stop the island if this agent runs it (child mode); leave an external one alone."""

@@ -16,6 +16,8 @@ with its monitoring endpoint down still gets a report, with the missing parts le
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import json
 import urllib.request
 from collections import defaultdict
@@ -80,6 +82,9 @@ class DeviceReport:
     last_heartbeat_at: str | None
     last_heartbeat_age_s: float | None
     last_seen_s: float | None  # the freshest of the heartbeat and the sources' activity
+    # Readings the device's telemetry budget forced out, as of its latest heartbeat (None:
+    # no heartbeat, or one without the figure): some may never have reached the hub.
+    telemetry_dropped: int | None
     commands: CommandCounts
     last_error: CommandError | None
     flags: tuple[str, ...]  # "never_seen" or "silent"
@@ -273,6 +278,18 @@ def _json_object(data: bytes) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
+def _telemetry_dropped(heartbeat: Mapping[str, Any] | None) -> int | None:
+    """``streams.TELEMETRY.dropped`` of a heartbeat as returned by ``STREAM.MSG.GET``."""
+    try:
+        body = _json_object(base64.b64decode(str((heartbeat or {}).get("data", ""))))
+    except (binascii.Error, ValueError):
+        return None
+    streams = (body or {}).get("streams")
+    telemetry = streams.get("TELEMETRY") if isinstance(streams, dict) else None
+    dropped = telemetry.get("dropped") if isinstance(telemetry, dict) else None
+    return dropped if isinstance(dropped, int) and not isinstance(dropped, bool) else None
+
+
 def _commands(msgs: Iterable[Msg]) -> list[_Command]:
     commands = []
     for msg in msgs:
@@ -411,6 +428,7 @@ async def collect_report(
                 last_heartbeat_at=iso(beat_at) if beat_at else None,
                 last_heartbeat_age_s=beat_age,
                 last_seen_s=last_seen,
+                telemetry_dropped=_telemetry_dropped(heartbeat),
                 commands=counts,
                 last_error=last_error,
                 flags=_flags(last_seen, silent_after),

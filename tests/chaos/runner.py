@@ -1,0 +1,307 @@
+"""Runs a chaos schedule against a real hub and three agents run as subprocesses.
+
+Each device has a producer publishing numbered telemetry to its island (``tele.chaos``,
+payload ``n``, ``Nats-Msg-Id`` ``<id>-<n>``), retrying each number until the island
+acknowledges it; ``produced`` counts acknowledged numbers, so the hub must end up with exactly
+``1..produced`` for each device. Commands run a marker program that appends
+``<device> <tag>`` to a shared file, so runs can be counted per device.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import itertools
+import json
+import os
+import signal
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import nats.errors
+from nats.aio.msg import Msg
+from nats.js.errors import APIError
+
+from edge_agent.health import collect_status
+from edge_agent.island import pid_file
+from hub_ingest.commands import Envelope, new_envelope, send
+from hub_ingest.report import scan
+from tests.chaos.schedule import Action, draw_schedule
+from tests.support.agent_process import AgentProcess
+from tests.support.cluster import Device, Hub, write_agent_config
+from tests.support.waiting import eventually
+
+MARKER = """\
+import os, sys
+with open(sys.argv[1], "a") as f:
+    f.write(os.environ["CHAOS_DEVICE"] + " " + sys.argv[2] + "\\n")
+"""
+PUBLISH_PACE = 0.05  # between telemetry publishes: ~20 readings/s per device
+_TRANSIENT = (nats.errors.Error, APIError, OSError, TimeoutError)
+
+
+@dataclass
+class Node:
+    """One device: its agent incarnations and its telemetry producer."""
+
+    device: Device
+    config_path: Path
+    log_dir: Path
+    processes: list[AgentProcess] = field(default_factory=list)
+    produced: int = 0
+
+    @property
+    def id(self) -> str:
+        return self.device.id
+
+    @property
+    def agent(self) -> AgentProcess:
+        return self.processes[-1]
+
+    def start_agent(self) -> AgentProcess:
+        log = self.log_dir / f"{self.id}-{len(self.processes)}.log"
+        process = AgentProcess(self.config_path, log).start(env={"CHAOS_DEVICE": self.id})
+        self.processes.append(process)
+        return process
+
+    def kill_island(self) -> bool:
+        """SIGKILL the agent's own island (its child, checked); False if none is running."""
+        assert self.agent.proc is not None
+        try:
+            pid = int(pid_file(self.device.config).read_text().strip())
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except (OSError, ValueError):
+            return False
+        parent = int(stat.rsplit(")", 1)[1].split()[1])
+        if parent != self.agent.proc.pid:
+            return False  # a stale pid file: that process is not ours to kill
+        os.kill(pid, signal.SIGKILL)
+        return True
+
+    async def produce(self, stop: asyncio.Event) -> None:
+        """Publish 1, 2, 3… until `stop`; each number is retried until the island stores it."""
+        js = self.device.js
+        while not stop.is_set():
+            n = self.produced + 1
+            headers = {"Nats-Msg-Id": f"{self.id}-{n}"}
+            while True:
+                try:
+                    await js.publish("tele.chaos", str(n).encode(), timeout=2.0, headers=headers)
+                    break
+                except _TRANSIENT:
+                    await asyncio.sleep(0.2)  # back off while the island is away
+            self.produced = n
+            await asyncio.sleep(PUBLISH_PACE)  # pacing, not synchronisation
+
+    def close(self) -> None:
+        for process in self.processes:
+            process.close()
+
+
+@dataclass
+class Outcome:
+    seed: int
+    faults: Counter[str] = field(default_factory=Counter)
+    produced: dict[str, int] = field(default_factory=dict)
+    at_hub: dict[str, int] = field(default_factory=dict)
+    duplicates: int = 0
+    losses: int = 0
+    out_of_order: int = 0
+    commands_sent: int = 0
+    expected_runs: int = 0
+    runs: int = 0
+    double_runs: int = 0
+    results: int = 0
+    missing_results: int = 0
+    extra_results: int = 0
+    wall_s: float = 0.0
+
+    def summary(self) -> str:
+        return (
+            f"chaos seed={self.seed} faults={sum(self.faults.values())} {dict(self.faults)} "
+            f"produced={sum(self.produced.values())} at_hub={sum(self.at_hub.values())} "
+            f"duplicates={self.duplicates} losses={self.losses} "
+            f"out_of_order={self.out_of_order} commands sent={self.commands_sent} "
+            f"expected_runs={self.expected_runs} ran={self.runs} ran_twice={self.double_runs} "
+            f"results={self.results} missing_results={self.missing_results} "
+            f"duplicate_results={self.extra_results} wall={self.wall_s:.0f}s "
+            f"(replay: CHAOS_SEED={self.seed})"
+        )
+
+
+class Chaos:
+    def __init__(self, hub: Hub, root: Path, seed: int, *, faults: int) -> None:
+        self.hub = hub
+        self.root = root
+        self.seed = seed
+        self.schedule = draw_schedule(seed, ["a", "b", "c"], faults=faults)
+        self.nodes: dict[str, Node] = {}
+        self.marker = root / "marker.py"
+        self.runs_file = root / "runs.txt"
+        self.sent: list[Envelope] = []
+        self.outcome = Outcome(seed)
+
+    async def setup(self) -> None:
+        self.marker.write_text(MARKER)
+        allow = json.dumps([sys.executable, str(self.marker), "*"])
+        section = f'[commands]\nexec_allow = [{allow}]\nshutdown_grace = "5s"\n'
+        for device_id in ("a", "b", "c"):
+            device = await self.hub.device(device_id, start=False, register_when_ready=True)
+            config = write_agent_config(device, self.root / f"{device_id}.toml", section)
+            node = Node(device, config, self.root)
+            node.start_agent()
+            self.nodes[device_id] = node
+        for node in self.nodes.values():
+            await node.agent.wait_event("agent_ready")
+            await node.device.connect()
+            # Registered once its streams exist, so the hub's sources start at once.
+            await self.hub.register(node.id)
+
+    def close(self) -> None:
+        for node in self.nodes.values():
+            node.close()
+
+    async def run(self) -> Outcome:
+        started = time.monotonic()
+        stop = asyncio.Event()
+        producers = [asyncio.create_task(n.produce(stop)) for n in self.nodes.values()]
+        pending: list[asyncio.Task[None]] = []
+        try:
+            for action in self.schedule:
+                delay = started + action.at - time.monotonic()
+                if delay > 0:
+                    await asyncio.sleep(delay)  # the schedule's clock, not synchronisation
+                pending.append(asyncio.create_task(self._act(action)))
+            await asyncio.gather(*pending)
+        finally:
+            stop.set()
+            await asyncio.gather(*producers)
+            for task in pending:
+                task.cancel()
+        self.outcome.produced = {n.id: n.produced for n in self.nodes.values()}
+        await self._settle()
+        await self._verify()
+        self.outcome.wall_s = time.monotonic() - started
+        return self.outcome
+
+    async def _act(self, action: Action) -> None:
+        if action.kind == "command":
+            await self._command(action.target)
+            return
+        if action.kind == "hub_restart":
+            await self.hub.restart()
+            self.outcome.faults[action.kind] += 1
+            return
+        node = self.nodes[action.target]
+        if action.kind == "cut":
+            node.device.proxy.cut()
+            self.outcome.faults[action.kind] += 1
+            await asyncio.sleep(action.duration)  # the length of the outage
+            node.device.proxy.restore()
+        elif action.kind == "agent_kill":
+            node.agent.kill()
+            self.outcome.faults[action.kind] += 1
+            await asyncio.sleep(action.duration)  # the device stays dead this long
+            node.start_agent()
+        elif action.kind == "island_kill" and node.kill_island():
+            self.outcome.faults[action.kind] += 1
+
+    async def _command(self, target: str) -> None:
+        envelope = new_envelope(target, "exec", {}, ttl=3600)
+        argv = [sys.executable, str(self.marker), str(self.runs_file), envelope.id]
+        envelope = dataclasses.replace(envelope, args={"argv": argv})
+
+        async def sent() -> bool:
+            await send(self.hub.js, envelope)  # retries are dropped by the hub by Nats-Msg-Id
+            return True
+
+        await eventually(sent, timeout=90, interval=0.5, what=f"command {envelope.id} sent")
+        self.sent.append(envelope)
+
+    def _expected_runs(self) -> set[tuple[str, str]]:
+        return {
+            (device_id, e.id)
+            for e in self.sent
+            for device_id in self.nodes
+            if e.device_id in (device_id, "all")
+        }
+
+    async def _settle(self) -> None:
+        """Await (with deadlines) the hub catching up, results arriving, outboxes emptying."""
+        for node in self.nodes.values():
+            await eventually(
+                functools.partial(self._caught_up, node),
+                timeout=180,
+                interval=1.0,
+                what=f"{node.id}'s {node.produced} readings at the hub ({self.outcome.summary()})",
+            )
+        expected = self._expected_runs()
+
+        async def answered() -> bool:
+            return expected <= set(await self._results())
+
+        await eventually(answered, timeout=120, interval=1.0, what="every command's result")
+        for node in self.nodes.values():
+            await eventually(
+                functools.partial(_outbox_empty, node),
+                timeout=60,
+                what=f"{node.id}'s outbox empty",
+            )
+
+    async def _caught_up(self, node: Node) -> bool:
+        aggregate = await self.hub.js.stream_info(
+            "FLEET_TELEMETRY", subjects_filter=f"fleet.{node.id}.tele.>"
+        )
+        mirror = await self.hub.js.stream_info(f"EDGE_TELEMETRY_{node.id}")
+        in_aggregate = sum((aggregate.state.subjects or {}).values())
+        return in_aggregate >= node.produced and mirror.state.messages >= node.produced
+
+    async def _results(self) -> list[tuple[str, str]]:
+        msgs = await scan(self.hub.js, "FLEET_EVENTS", "fleet.*.evt.*.result")
+        return [(m.subject.split(".")[1], json.loads(m.data)["command_id"]) for m in msgs]
+
+    async def _verify(self) -> None:
+        out = self.outcome
+        for node in self.nodes.values():
+            want = list(range(1, node.produced + 1))
+            aggregate = await scan(self.hub.js, "FLEET_TELEMETRY", f"fleet.{node.id}.tele.>")
+            mirror = await scan(self.hub.js, f"EDGE_TELEMETRY_{node.id}", "tele.>")
+            got = [int(m.data) for m in aggregate]
+            device_seqs = [_source_seq(m) for m in aggregate]
+            out.at_hub[node.id] = len(got)
+            out.duplicates += len(got) - len(set(got))
+            out.losses += len(set(want) - set(got))
+            out.out_of_order += sum(1 for x, y in itertools.pairwise(got) if y <= x)
+            out.out_of_order += sum(1 for x, y in itertools.pairwise(device_seqs) if y != x + 1)
+            # The mirror keeps the device's sequence: reading n is device message n.
+            mirrored = [(m.metadata.sequence.stream, int(m.data)) for m in mirror]
+            out.losses += len(set(want) - {n for _, n in mirrored})
+            out.out_of_order += sum(1 for seq, n in mirrored if seq != n)
+        expected = self._expected_runs()
+        results = Counter(await self._results())
+        runs = Counter(tuple(line.split()) for line in self.runs_file.read_text().splitlines())
+        out.commands_sent = len(self.sent)
+        out.expected_runs = len(expected)
+        out.runs = sum(runs.values())
+        out.double_runs = sum(1 for count in runs.values() if count > 1)
+        out.results = sum(results.values())
+        out.missing_results = len(expected - set(results))
+        out.extra_results = sum(count - 1 for count in results.values() if count > 1)
+
+
+def _source_seq(msg: Msg) -> int:
+    """The device's sequence of an aggregated message: ``Nats-Stream-Source`` is
+    ``<origin> <seq> …``."""
+    return int((msg.headers or {})["Nats-Stream-Source"].split()[1])
+
+
+async def _outbox_empty(node: Node) -> bool:
+    status = await collect_status(node.device.config)
+    return status.outbox is not None and status.outbox.depth == 0
+
+
+__all__ = ["Chaos", "Outcome"]
