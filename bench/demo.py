@@ -1,24 +1,30 @@
 """`make demo`: a hub and three devices on loopback, one flaky link, commands, and a check.
 
 Every phase prints progress and ends in a verdict; the demo exits 1 if anything produced on a
-device did not reach the hub or a command did not reach its devices. State lives under
-./demo-state, removed at the start of the next run.
+device did not reach the hub (and the archive, exactly once) or a command did not reach its
+devices. State lives under ./demo-state, removed at the start of the next run.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
 
 from edge_agent.logs import configure_logging
+from hub_ingest.audit import read_archive
+from hub_ingest.commands import BROADCAST, ResultReader, describe, event_streams, new_envelope, send
+from hub_ingest.registry import Registry
 from tests.support.cluster import Device, Hub, start_hub, stream_messages
+from tests.support.hub_config import write_hub_config
 
 STATE = Path("demo-state")
 DEVICES = ("gateway-1", "truck-2", "kiosk-3")
@@ -72,7 +78,7 @@ async def produce(device: Device, count: int, interval: float) -> None:
 
 
 async def phase_telemetry(hub: Hub, devices: dict[str, Device], verdict: Verdict) -> None:
-    say(f"\n[2/3] telemetry: {READINGS} readings per device, {FLAKY} offline {OUTAGE_S:.0f}s")
+    say(f"\n[2/5] telemetry: {READINGS} readings per device, {FLAKY} offline {OUTAGE_S:.0f}s")
     flaky = devices[FLAKY]
     producers = [
         asyncio.create_task(produce(d, READINGS, OUTAGE_S / READINGS * 1.5))
@@ -106,7 +112,7 @@ async def phase_telemetry(hub: Hub, devices: dict[str, Device], verdict: Verdict
 
 
 async def phase_commands(hub: Hub, devices: dict[str, Device], verdict: Verdict) -> None:
-    say("\n[3/3] commands: a broadcast and one for truck-2, sent while its link is down")
+    say("\n[3/5] commands: a broadcast and one for truck-2, sent while its link is down")
     flaky = devices[FLAKY]
     flaky.proxy.cut()
     await flaky.wait_link(up=False)
@@ -134,13 +140,105 @@ async def phase_commands(hub: Hub, devices: dict[str, Device], verdict: Verdict)
         )
 
 
+async def phase_round_trip(hub: Hub, devices: dict[str, Device], verdict: Verdict) -> None:
+    say("\n[4/5] command round trip: config.get sent to every device, results back at the hub")
+    registered = await (await Registry.open(hub.js)).list()
+    results: dict[str, dict[str, Any]] = {}
+    async with ResultReader.open(hub.js, event_streams(registered), since=None) as reader:
+        envelope = new_envelope(BROADCAST, "config.get", {"key": "island.domain"}, ttl=600)
+        started = time.monotonic()
+        await send(hub.js, envelope)
+        say(f"  sent {envelope.subject} id {envelope.id}")
+
+        async def answered() -> tuple[bool, str]:
+            for result in await reader.read(timeout=0.5):
+                if result.get("command_id") == envelope.id:
+                    results.setdefault(str(result["device_id"]), result)
+            return len(results) == len(devices), f"{len(results)}/{len(devices)} results"
+
+        await wait_for("results at the hub", answered, timeout=120)
+    took = time.monotonic() - started
+    for device_id in devices:
+        result = results.get(device_id)
+        if result is not None:
+            say(f"  {device_id}: {result['status']} {describe(result)}")
+        verdict.check(
+            result is not None
+            and result["status"] == "ok"
+            and result["output"] == f"edge-{device_id}",
+            f"{device_id}: config.get result at the hub",
+        )
+    say(f"  round trip for all devices: {took:.1f}s")
+
+
+async def phase_ingest(hub: Hub, devices: dict[str, Device], verdict: Verdict) -> None:
+    say(
+        f"\n[5/5] ingest: hub-ingest run --once (Spark local[*]) into ./{STATE}/archive, then audit"
+    )
+    config = replace(
+        hub.config,
+        ingest=replace(
+            hub.config.ingest,
+            archive=STATE.resolve() / "archive",
+            checkpoint=STATE.resolve() / "checkpoint",
+        ),
+    )
+    toml = write_hub_config(config, STATE / "hub.toml")
+    log_path = STATE / "ingest.log"
+    say(f"  Spark takes ~20 s to start; its log goes to ./{log_path}")
+    with log_path.open("wb") as log:
+        job = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "hub_ingest",
+            "run",
+            "--once",
+            "--config",
+            str(toml),
+            stdout=log,
+            stderr=asyncio.subprocess.STDOUT,
+        )
+        code = await job.wait()
+    for line in log_path.read_text(errors="replace").splitlines():
+        if '"batch_archived"' in line:
+            batch = json.loads(line)
+            say(f"  batch {batch['batch_id']}: {batch['rows']} rows, {batch['rows_per_s']} rows/s")
+    verdict.check(code == 0, f"hub-ingest run --once exited {code}")
+    audit = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "hub_ingest",
+        "audit",
+        "--config",
+        str(toml),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    out, _ = await audit.communicate()
+    for line in out.decode(errors="replace").splitlines():
+        say(f"  {line}")
+    verdict.check(audit.returncode == 0, "audit: no duplicates, no unexplained gaps")
+    rows = read_archive(config.ingest.archive, ["device_id", "subject"])
+    for device_id in devices:
+        archived = (
+            0
+            if rows is None
+            else sum(
+                1
+                for r in rows.to_pylist()
+                if r["device_id"] == device_id and r["subject"].startswith("tele.")
+            )
+        )
+        verdict.check(archived == READINGS, f"{device_id}: {archived}/{READINGS} readings archived")
+
+
 async def main() -> int:
     configure_logging("warning")
     shutil.rmtree(STATE, ignore_errors=True)
     STATE.mkdir()
     verdict = Verdict()
     started = time.monotonic()
-    say(f"[1/3] starting a hub and {len(DEVICES)} devices on loopback (state in ./{STATE})")
+    say(f"[1/5] starting a hub and {len(DEVICES)} devices on loopback (state in ./{STATE})")
     hub = await start_hub(STATE.resolve())
     try:
         devices = {d: await hub.device(d) for d in DEVICES}
@@ -148,13 +246,18 @@ async def main() -> int:
             say(f"  {device_id}: island up, streams reconciled, link through its own proxy")
         await phase_telemetry(hub, devices, verdict)
         await phase_commands(hub, devices, verdict)
+        await phase_round_trip(hub, devices, verdict)
+        await phase_ingest(hub, devices, verdict)
     finally:
         await hub.close()
     took = time.monotonic() - started
     if verdict.failures:
         say(f"\ndemo FAILED in {took:.0f}s: {len(verdict.failures)} check(s) failed")
         return 1
-    say(f"\ndemo passed in {took:.0f}s: nothing lost, nothing duplicated, every command delivered")
+    say(
+        f"\ndemo passed in {took:.0f}s: nothing lost, nothing duplicated, every command "
+        "delivered, the archive complete"
+    )
     return 0
 
 

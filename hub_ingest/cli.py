@@ -15,12 +15,12 @@ from pathlib import Path
 import nats.errors
 
 from edge_agent.logs import configure_logging
-from hub_ingest import devices_cli, provision_cli
+from hub_ingest import commands_cli, devices_cli, ingest_cli, provision_cli, report_cli
 from hub_ingest.config import DEFAULT_CONFIG_PATH, load_hub_config
 from hub_ingest.errors import ConfigError, HubIngestError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
-COMMAND_MODULES = (provision_cli, devices_cli)
+COMMAND_MODULES = (provision_cli, devices_cli, report_cli, ingest_cli, commands_cli)
 
 
 def _parser() -> argparse.ArgumentParser:

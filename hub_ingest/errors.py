@@ -3,7 +3,10 @@
     HubIngestError
     ├── ConfigError          bad or missing hub configuration (CLI exit code 2)
     ├── RegistryError        the device registry refused a change (unknown or duplicate device)
-    └── ProvisionError       the hub refused a stream configuration
+    ├── ProvisionError       the hub refused a stream configuration
+    ├── ReportError          the fleet report could not read what it needs from the hub
+    └── IngestError          the Spark ingest stopped without archiving what it was asked to
+        └── DataLossError    retention removed messages before the archive had them
 
 `retriable` says whether the same call may succeed later without anyone changing anything.
 """
@@ -27,3 +30,23 @@ class RegistryError(HubIngestError):
 
 class ProvisionError(HubIngestError):
     """A hub stream could not be created or updated."""
+
+
+class ReportError(HubIngestError):
+    """The hub did not answer a question the fleet report asked it."""
+
+
+class IngestError(HubIngestError):
+    """The ingest query failed; the checkpoint still says what was archived."""
+
+
+class DataLossError(IngestError):
+    """Messages the archive never saw are gone from an aggregate stream."""
+
+    def __init__(self, stream: str, first: int, last: int) -> None:
+        self.stream, self.first, self.last = stream, first, last
+        super().__init__(
+            f"data loss: retention removed {last - first + 1} messages of {stream} "
+            f"(seq {first}..{last}) before they were archived; "
+            "set ingest.fail_on_data_loss = false to skip them"
+        )

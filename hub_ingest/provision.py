@@ -1,14 +1,16 @@
 """Idempotent creation of the hub's streams.
 
-- ``COMMANDS`` listens on ``cmd.>``; devices mirror their slice of it.
-- ``FLEET_TELEMETRY`` and ``FLEET_EVENTS`` (then ``_2``, ``_3``… once a shard is full) *source*
-  every registered device's ``TELEMETRY`` / ``EVENTS`` through ``$JS.<device-domain>.API``.
-  A subject transform puts the device id in the subject (``tele.>`` on device d becomes
-  ``fleet.d.tele.>``). Aggregate streams have no subjects of their own: listening on a
-  subject devices publish would store every message twice.
-- ``EDGE_TELEMETRY_<id>`` and ``EDGE_EVENTS_<id>`` *mirror* the same device streams. A source
-  stamps each message with the hub's arrival time; a mirror keeps the device's sequence
-  numbers and store times exactly, so the ingest reads ``device_time`` from the mirror.
+- ``COMMANDS`` listens on ``cmd.>``; ``CMD_<id>`` sources each device's slice of it
+  (``cmd.<id>.>`` and ``cmd.all.>``), and the device mirrors ``CMD_<id>``.
+- ``EDGE_TELEMETRY_<id>`` and ``EDGE_EVENTS_<id>`` *mirror* each registered device's
+  ``TELEMETRY`` / ``EVENTS`` through ``$JS.<device-domain>.API``: the only hop over the link.
+  A mirror keeps the device's sequence numbers and store times exactly (a source would stamp
+  the hub's arrival time), so the ingest reads ``device_time`` from it.
+- ``FLEET_TELEMETRY`` and ``FLEET_EVENTS`` (then ``_2``, ``_3``… once a shard is full)
+  *source* those hub-side mirrors. A subject transform puts the device id in the subject
+  (``tele.>`` on device d becomes ``fleet.d.tele.>``) and the ``Nats-Stream-Source`` header
+  carries the mirror's sequence, which is the device's. Aggregate streams have no subjects
+  of their own: listening on a subject devices publish would store every message twice.
 """
 
 from __future__ import annotations
@@ -108,9 +110,10 @@ def device_commands(config: HubConfig, device: Device) -> StreamConfig:
 
 
 def device_source(aggregate: Aggregate, device: Device) -> StreamSource:
+    # From the hub's own mirror, not over the link again: each message crosses the link
+    # once, and an aggregate row never gets ahead of the device time the ingest looks up.
     return StreamSource(
-        name=aggregate.device_stream,
-        external=_from_device(device),
+        name=mirror_name(aggregate.device_stream, device.device_id),
         subject_transforms=[
             SubjectTransform(
                 src=f"{aggregate.prefix}.>", dest=f"{aggregate.subject_prefix(device.device_id)}.>"

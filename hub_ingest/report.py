@@ -35,7 +35,7 @@ from nats.js.errors import NotFoundError
 
 from hub_ingest.config import HubConfig
 from hub_ingest.errors import ReportError
-from hub_ingest.provision import AGGREGATES, COMMANDS
+from hub_ingest.provision import AGGREGATES, COMMANDS, mirror_name
 from hub_ingest.registry import Device
 
 SCHEMA = "hub-ingest.report/1"
@@ -337,19 +337,24 @@ def _command_state(
     return counts, None if last is None else CommandError(last.command_id, last.status, last.error)
 
 
-def _source_state(info: dict[str, Any] | None, name: str, device: Device) -> SourceState:
+def _source_state(
+    info: dict[str, Any] | None, mirror: dict[str, Any] | None, name: str, device: Device
+) -> SourceState:
+    """How far `name` is behind the device: the hub's mirror of the device stream (the hop
+    over the link) plus the aggregate's local source of that mirror."""
     aggregate = next(a for a in AGGREGATES if name.startswith(a.base_name))
+    wanted = mirror_name(aggregate.device_stream, device.device_id)
+    link = (mirror or {}).get("mirror") or {}
     for src in (info or {}).get("sources") or []:
-        external = src.get("external") or {}
-        if src.get("name") == aggregate.device_stream and external.get("api") == device.api_prefix:
-            active = src.get("active")
-            error = src.get("error")
+        if src.get("name") == wanted:
+            active = link.get("active")
+            error = link.get("error") or src.get("error")
             return SourceState(
                 stream=name,
                 device_stream=aggregate.device_stream,
                 sourced=True,
-                lag=int(src.get("lag", 0)),
-                # -1: no contact since the hub (re)started sourcing
+                lag=int(link.get("lag", 0)) + int(src.get("lag", 0)),
+                # -1: no contact with the device since the hub (re)started mirroring
                 last_active_s=round(active / 1e9, 3)
                 if isinstance(active, int) and active >= 0
                 else None,
@@ -403,8 +408,15 @@ async def collect_report(
     reports = []
     for device in devices:
         sources = tuple(
-            _source_state(infos[a.stream_name(device.shard)], a.stream_name(device.shard), device)
-            for a in AGGREGATES
+            [
+                _source_state(
+                    infos[a.stream_name(device.shard)],
+                    await api.stream_info(mirror_name(a.device_stream, device.device_id)),
+                    a.stream_name(device.shard),
+                    device,
+                )
+                for a in AGGREGATES
+            ]
         )
         events_stream = EVENTS.stream_name(device.shard)
         subject = f"{EVENTS.subject_prefix(device.device_id)}.{device.device_id}.heartbeat"

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+from pyspark.sql import SparkSession
 
+from hub_ingest.job import spark_session
 from tests.support.cluster import Hub, start_hub
 
 
@@ -18,3 +20,13 @@ async def hub(tmp_path: Path) -> AsyncIterator[Hub]:
         yield hub
     finally:
         await hub.close()
+
+
+@pytest.fixture(scope="session")
+def spark() -> Iterator[SparkSession]:
+    """One local Spark session for every Spark test: starting one takes ~8 s."""
+    session = spark_session("local[2]")
+    try:
+        yield session
+    finally:
+        session.stop()

@@ -31,10 +31,14 @@ async def test_provision_is_idempotent_and_listens_on_no_device_subject(hub: Hub
         info = await hub.js.stream_info(stream)
         assert not info.config.subjects
     (telemetry,) = await _sources(hub, "FLEET_TELEMETRY")
-    assert telemetry["name"] == "TELEMETRY"
-    # Deliveries on a prefix that only device a may publish to.
-    assert telemetry["external"] == {"api": "$JS.edge-a.API", "deliver": "hubin.a"}
+    # The aggregate sources the hub's mirror: device data crosses the link once.
+    assert telemetry["name"] == "EDGE_TELEMETRY_a"
+    assert "external" not in telemetry
     assert telemetry["subject_transforms"] == [{"src": "tele.>", "dest": "fleet.a.tele.>"}]
+    reply = await hub.nc.request("$JS.hub.API.STREAM.INFO.EDGE_TELEMETRY_a", b"", timeout=5)
+    mirror = json.loads(reply.data)["config"]["mirror"]
+    # Deliveries on a prefix that only device a may publish to.
+    assert mirror["external"] == {"api": "$JS.edge-a.API", "deliver": "hubin.a"}
     commands = await hub.js.stream_info("COMMANDS")
     assert commands.config.subjects == ["cmd.>"]
     (mine,) = await _sources(hub, "CMD_a")
@@ -52,10 +56,10 @@ async def test_devices_spread_over_shards_and_keep_them(tmp_path: Path) -> None:
     try:
         for device_id in ("a", "b", "c"):
             await hub.register(device_id)
-        first = [s["external"] for s in await _sources(hub, "FLEET_TELEMETRY")]
-        second = [s["external"] for s in await _sources(hub, "FLEET_TELEMETRY_2")]
-        assert [e["api"] for e in first] == ["$JS.edge-a.API", "$JS.edge-b.API"]  # type: ignore[index]
-        assert [e["api"] for e in second] == ["$JS.edge-c.API"]  # type: ignore[index]
+        first = [s["name"] for s in await _sources(hub, "FLEET_TELEMETRY")]
+        second = [s["name"] for s in await _sources(hub, "FLEET_TELEMETRY_2")]
+        assert first == ["EDGE_TELEMETRY_a", "EDGE_TELEMETRY_b"]
+        assert second == ["EDGE_TELEMETRY_c"]
         assert len(await _sources(hub, "FLEET_EVENTS_2")) == 1
 
         registry = await Registry.open(hub.js)
@@ -98,7 +102,7 @@ async def test_device_cli_round_trip(hub: Hub, tmp_path: Path) -> None:
     assert seed.read_text().startswith("SU")
     code, out, _ = await asyncio.to_thread(cli, "device", "list", "--json")
     assert [d["device_id"] for d in json.loads(out)] == ["truck-7"]
-    assert [s["name"] for s in await _sources(hub, "FLEET_EVENTS")] == ["EVENTS"]
+    assert [s["name"] for s in await _sources(hub, "FLEET_EVENTS")] == ["EDGE_EVENTS_truck-7"]
     code, _, err = await asyncio.to_thread(cli, "device", "add", "truck-7")
     assert code == 1
     assert "already registered" in err

@@ -1,0 +1,191 @@
+"""``hub-ingest audit``: is the archive complete, and free of duplicates?
+
+From the archive alone, per device and aggregate stream: rows, first and last ``device_seq``,
+missing ranges and duplicates. A missing range is *explained* when the device itself reported,
+in a heartbeat that reached the archive, that its stream's budget or max age removed those
+sequences (``streams.<name>.first_seq`` past the range, with ``dropped`` > 0). Against the hub:
+how many messages of each aggregate stream are not archived yet (in flight, not an error).
+
+Only files committed in the sink's ``_spark_metadata`` log are read: a batch killed half way
+leaves part files (sometimes 0 bytes) that no reader may count.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlparse
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as ds
+from nats.js import JetStreamContext
+
+from hub_ingest.provision import AGGREGATES
+
+METADATA_DIR = "_spark_metadata"
+_KEY_COLUMNS = ["device_id", "hub_stream", "device_seq"]
+
+
+@dataclass(frozen=True, slots=True)
+class Gap:
+    first: int
+    last: int
+    explained: bool  # the device reported dropping these before they could be sourced
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceAudit:
+    device_id: str
+    hub_stream: str
+    rows: int
+    first_seq: int
+    last_seq: int
+    duplicates: int  # rows beyond the first for the same device_seq
+    missing: tuple[Gap, ...]
+
+    @property
+    def ok(self) -> bool:
+        return self.duplicates == 0 and all(g.explained for g in self.missing)
+
+
+@dataclass(frozen=True, slots=True)
+class StreamBacklog:
+    stream: str
+    last_seq: int
+    archived_seq: int  # the highest hub_seq in the archive
+    unarchived: int
+
+
+@dataclass(frozen=True, slots=True)
+class AuditReport:
+    devices: tuple[DeviceAudit, ...]
+    streams: tuple[StreamBacklog, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return all(d.ok for d in self.devices)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "devices": [{**asdict(d), "ok": d.ok} for d in self.devices],
+            "streams": [asdict(s) for s in self.streams],
+        }
+
+
+def committed_files(archive: Path) -> list[Path]:
+    """The Parquet files of every committed batch, from the file sink's metadata log."""
+    log_dir = archive / METADATA_DIR
+    if not log_dir.is_dir():
+        return []
+    batches: dict[int, Path] = {}
+    compact = -1
+    for entry in log_dir.iterdir():
+        stem, _, suffix = entry.name.partition(".")
+        if not stem.isdigit() or suffix not in ("", "compact"):
+            continue  # hidden temporary files of a write in progress
+        batches[int(stem)] = entry
+        if suffix == "compact":
+            compact = max(compact, int(stem))
+    files: dict[str, None] = {}  # ordered set
+    for batch in sorted(b for b in batches if b >= compact):
+        for line in batches[batch].read_text(encoding="utf-8").splitlines()[1:]:
+            item = json.loads(line)
+            path = unquote(urlparse(item["path"]).path)
+            if item.get("action") == "delete":
+                files.pop(path, None)
+            else:
+                files[path] = None
+    return [Path(p) for p in files]
+
+
+def read_archive(
+    archive: Path, columns: list[str] | None = None, filter: ds.Expression | None = None
+) -> pa.Table | None:
+    """Committed rows of the archive (with the ``date`` partition column), or None if none."""
+    files = committed_files(archive)
+    if not files:
+        return None
+    dataset = ds.dataset(
+        [str(f) for f in files],
+        format="parquet",
+        partitioning=ds.partitioning(flavor="hive"),
+        partition_base_dir=str(archive),
+    )
+    return dataset.to_table(columns=columns, filter=filter)
+
+
+def audit_archive(archive: Path) -> AuditReport:
+    table = read_archive(archive, _KEY_COLUMNS, ds.field("device_seq").is_valid())
+    if table is None or table.num_rows == 0:
+        return AuditReport(())
+    dropped = _reported_drops(archive)
+    groups = table.group_by(["device_id", "hub_stream"]).aggregate([("device_seq", "list")])
+    devices = []
+    for group in groups.to_pylist():
+        device_id, hub_stream = group["device_id"], group["hub_stream"]
+        seqs = group["device_seq_list"]
+        unique = np.unique(np.asarray(seqs, dtype=np.int64))  # sorted
+        steps = np.flatnonzero(np.diff(unique) > 1)
+        ranges = [(1, int(unique[0]) - 1)] if unique[0] > 1 else []
+        ranges += [(int(unique[j]) + 1, int(unique[j + 1]) - 1) for j in steps]
+        below = dropped.get((device_id, _device_stream(hub_stream)), 0)
+        devices.append(
+            DeviceAudit(
+                device_id=device_id,
+                hub_stream=hub_stream,
+                rows=len(seqs),
+                first_seq=int(unique[0]),
+                last_seq=int(unique[-1]),
+                duplicates=len(seqs) - len(unique),
+                missing=tuple(Gap(a, b, b < below) for a, b in ranges),
+            )
+        )
+    return AuditReport(tuple(sorted(devices, key=lambda d: (d.device_id, d.hub_stream))))
+
+
+def _device_stream(hub_stream: str) -> str:
+    for aggregate in AGGREGATES:
+        if hub_stream.startswith(aggregate.base_name):
+            return aggregate.device_stream
+    return hub_stream
+
+
+def _reported_drops(archive: Path) -> dict[tuple[str, str], int]:
+    """(device, stream) → the first sequence the device still had after dropping older ones."""
+    beats = read_archive(
+        archive,
+        ["device_id", "payload"],
+        pc.match_substring_regex(ds.field("subject"), r"^evt\.[^.]+\.heartbeat$"),
+    )
+    out: dict[tuple[str, str], int] = {}
+    for row in beats.to_pylist() if beats is not None else []:
+        try:
+            streams = json.loads(row["payload"])["streams"]
+        except (ValueError, KeyError, TypeError):
+            continue
+        for name, state in streams.items() if isinstance(streams, dict) else ():
+            if isinstance(state, dict) and state.get("dropped", 0) > 0:
+                key = (row["device_id"], name)
+                out[key] = max(out.get(key, 0), int(state.get("first_seq", 0)))
+    return out
+
+
+async def backlog(js: JetStreamContext, archive: Path, streams: list[str]) -> list[StreamBacklog]:
+    """Per aggregate stream: how many of its messages the archive does not have yet."""
+    table = read_archive(archive, ["hub_stream", "hub_seq"])
+    archived: dict[str, int] = {}
+    if table is not None and table.num_rows:
+        for row in table.group_by("hub_stream").aggregate([("hub_seq", "max")]).to_pylist():
+            archived[row["hub_stream"]] = row["hub_seq_max"]
+    out = []
+    for name in streams:
+        state = (await js.stream_info(name)).state
+        done = archived.get(name, 0)
+        pending = state.messages if done < state.first_seq else max(state.last_seq - done, 0)
+        out.append(StreamBacklog(name, state.last_seq, done, pending))
+    return out

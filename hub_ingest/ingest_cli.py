@@ -1,0 +1,69 @@
+"""``hub-ingest run`` (the Spark ingest) and ``hub-ingest audit`` (is the archive complete?)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+from hub_ingest.audit import AuditReport, audit_archive, backlog
+from hub_ingest.config import HubConfig
+from hub_ingest.connect import hub_connection
+from hub_ingest.provision import aggregate_stream_names
+
+
+def register(sub: Any) -> None:
+    r = sub.add_parser("run", help="archive the aggregate streams into Parquet with Spark")
+    r.add_argument("--once", action="store_true", help="archive what is there now, then exit")
+    r.add_argument("--master", help="Spark master URL (default: ingest.master, local[*])")
+    r.add_argument("--log-level", default="info", help="progress is logged at info")
+    r.set_defaults(handler=_run)
+    a = sub.add_parser("audit", help="check the archive: duplicates, gaps, unarchived messages")
+    a.add_argument("--json", action="store_true")
+    a.set_defaults(handler=lambda config, args: asyncio.run(_audit(config, args)))
+    for p in (r, a):
+        # `hub-ingest run --config hub.toml` reads as naturally as `hub-ingest -c hub.toml run`.
+        p.add_argument("-c", "--config", type=Path, default=argparse.SUPPRESS)
+
+
+def _run(config: HubConfig, args: argparse.Namespace) -> int:
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    # Imported here: Spark is heavy, and every other subcommand starts without it.
+    from hub_ingest.job import run  # noqa: PLC0415
+
+    return run(config, once=args.once, master=args.master, stop=stop)
+
+
+async def _audit(config: HubConfig, args: argparse.Namespace) -> int:
+    report = audit_archive(config.ingest.archive)
+    async with hub_connection(config, name="hub-ingest-audit") as nc:
+        js = nc.jetstream(domain=config.nats.domain)
+        streams = await backlog(js, config.ingest.archive, await aggregate_stream_names(js))
+    report = AuditReport(report.devices, tuple(streams))
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        _print(report)
+    return 0 if report.ok else 1
+
+
+def _print(report: AuditReport) -> None:
+    head = ("device", "stream", "rows", "first", "last", "dups")
+    print("{:<16} {:<20} {:>9} {:>9} {:>9} {:>5}  missing".format(*head))
+    for d in report.devices:
+        gaps = ", ".join(
+            f"{g.first}..{g.last}{'' if g.explained else ' (unexplained)'}" for g in d.missing
+        )
+        print(
+            f"{d.device_id:<16} {d.hub_stream:<20} {d.rows:>9} {d.first_seq:>9} {d.last_seq:>9}"
+            f" {d.duplicates:>5}  {gaps or '-'}"
+        )
+    for s in report.streams:
+        print(f"{s.stream}: {s.unarchived} messages not archived yet (hub seq {s.last_seq})")
+    print("archive ok" if report.ok else "archive NOT ok: duplicates or unexplained gaps")

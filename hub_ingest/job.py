@@ -1,0 +1,228 @@
+"""The Spark ingest (``hub-ingest run``): every aggregate stream into a Parquet archive.
+
+Exactly once, across crashes and reruns, comes from Spark's checkpoint and file sink: the
+offsets of a batch (sequence ranges, see `hub_ingest.source`) are logged before it runs, a
+re-run batch reads the same ranges again, and the sink's ``_spark_metadata`` log commits each
+batch's files once. Files a killed batch left behind are not in that log, so the archive must
+be read through Spark or the log (`hub_ingest.audit.committed_files`), never by listing.
+
+``--once`` runs ``trigger(availableNow=True)``: everything in the streams when it starts, in
+batches of at most ``ingest.max_messages_per_trigger``, then exit (for a systemd timer).
+Without it the query runs until SIGTERM, one batch every ``ingest.trigger_interval``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+from pyspark.errors import StreamingQueryException
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
+from pyspark.sql.streaming.query import StreamingQuery
+from pyspark.sql.types import StructType
+
+from hub_ingest.config import HubConfig
+from hub_ingest.connect import hub_connection
+from hub_ingest.errors import ConfigError, DataLossError, IngestError
+from hub_ingest.provision import aggregate_stream_names
+from hub_ingest.source import FORMAT, SCHEMA, JetStreamDataSource
+
+log = structlog.get_logger(__name__)
+
+QUERY_NAME = "hub_ingest"
+PARTITION_COLUMN = "date"
+_BASE_COLUMNS = {*(f.split(" ")[0] for f in SCHEMA.split(", ")), "ingested_at", PARTITION_COLUMN}
+_DATA_LOSS = re.compile(r"retention removed \d+ messages of (\S+) \(seq (\d+)\.\.(\d+)\)")
+
+
+@dataclass(frozen=True, slots=True)
+class BatchProgress:
+    batch_id: int
+    rows: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class IngestSummary:
+    batches: tuple[BatchProgress, ...]
+    seconds: float
+
+    @property
+    def rows(self) -> int:
+        return sum(b.rows for b in self.batches)
+
+
+def spark_session(master: str) -> SparkSession:
+    """A session with the ``jetstream`` format registered; the caller stops it."""
+    # Executors must run this interpreter (the venv with nats-py); otherwise the only error
+    # is "Python worker failed to connect back".
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    spark = (
+        SparkSession.builder.master(master)
+        .appName("hub-ingest")
+        # Dates of the archive's partitions are UTC dates, wherever the job runs.
+        .config("spark.sql.session.timeZone", "UTC")
+        .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")  # progress is logged per batch
+        .getOrCreate()
+    )
+    spark.sparkContext.setLogLevel("ERROR")
+    spark.dataSource.register(JetStreamDataSource)
+    return spark
+
+
+async def aggregate_streams(config: HubConfig) -> list[str]:
+    async with hub_connection(config, name="hub-ingest-job") as nc:
+        streams = await aggregate_stream_names(nc.jetstream(domain=config.nats.domain))
+    if not streams:
+        raise IngestError("no aggregate streams on the hub: run `hub-ingest provision` first")
+    return streams
+
+
+def archive_rows(spark: SparkSession, config: HubConfig, streams: list[str]) -> DataFrame:
+    """The streaming DataFrame of archive rows, as they are written."""
+    ingest = config.ingest
+    reader = (
+        spark.readStream.format(FORMAT)
+        .option("servers", ",".join(config.nats.servers))
+        .option("streams", ",".join(streams))
+        .option("domain", config.nats.domain)
+        .option("maxMessagesPerTrigger", str(ingest.max_messages_per_trigger))
+        .option("messagesPerPartition", str(ingest.messages_per_partition))
+        .option("failOnDataLoss", str(ingest.fail_on_data_loss).lower())
+    )
+    if config.nats.credentials is not None:
+        reader = reader.option("credentials", str(config.nats.credentials))
+    rows = reader.load().withColumn("ingested_at", F.current_timestamp())
+    if ingest.payload_schema:
+        typed = _payload_schema(ingest.payload_schema)
+        parsed = F.from_json(F.col("payload").cast("string"), typed)
+        rows = rows.select("*", *(parsed[f.name].alias(f.name) for f in typed.fields))
+    # A reading buffered offline for days belongs to the day the device stored it.
+    day = F.to_date(F.coalesce(F.col("device_time"), F.col("hub_time")))
+    return rows.withColumn(PARTITION_COLUMN, day)
+
+
+def _payload_schema(ddl: str) -> StructType:
+    try:
+        schema = StructType.fromDDL(ddl)
+    except Exception as exc:
+        raise ConfigError(f"ingest.payload_schema: not a Spark schema: {ddl!r} ({exc})") from None
+    if not isinstance(schema, StructType):
+        raise ConfigError(f"ingest.payload_schema: expected named fields, got {ddl!r}")
+    clash = sorted(_BASE_COLUMNS.intersection(f.name for f in schema.fields))
+    if clash:
+        raise ConfigError(f"ingest.payload_schema: {clash[0]!r} is already an archive column")
+    return schema
+
+
+def start_query(
+    spark: SparkSession, config: HubConfig, streams: list[str], *, once: bool
+) -> StreamingQuery:
+    writer = (
+        archive_rows(spark, config, streams)
+        .writeStream.format("parquet")
+        .queryName(QUERY_NAME)
+        .option("path", str(config.ingest.archive))
+        .option("checkpointLocation", str(config.ingest.checkpoint))
+        .partitionBy(PARTITION_COLUMN)
+        .outputMode("append")
+    )
+    if once:
+        writer = writer.trigger(availableNow=True)
+    else:
+        writer = writer.trigger(processingTime=f"{config.ingest.trigger_interval} seconds")
+    return writer.start()
+
+
+def ingest(
+    spark: SparkSession,
+    config: HubConfig,
+    *,
+    once: bool,
+    stop: threading.Event | None = None,
+) -> IngestSummary:
+    """Run the ingest query until it is done (`once`) or `stop` is set; log every batch."""
+    streams = asyncio.run(aggregate_streams(config))
+    started = time.monotonic()
+    query = start_query(spark, config, streams, once=once)
+    log.info("ingest_started", streams=streams, once=once, archive=str(config.ingest.archive))
+    batches: list[BatchProgress] = []
+    last_trigger = ""
+
+    def collect() -> None:
+        nonlocal last_trigger
+        # An idle trigger reports the next batch's id with no rows; its start time is unique.
+        for progress in query.recentProgress:
+            if progress.timestamp > last_trigger:
+                last_trigger = progress.timestamp
+                if progress.numInputRows:
+                    batches.append(_log_progress(progress))
+
+    try:
+        while query.isActive and not (stop is not None and stop.is_set()):
+            query.awaitTermination(1)
+            collect()
+        query.stop()  # a no-op once an availableNow query has finished
+        collect()
+    except StreamingQueryException as exc:
+        raise _translate(exc) from None
+    failure = query.exception()
+    if failure is not None:
+        raise _translate(failure)
+    summary = IngestSummary(tuple(batches), round(time.monotonic() - started, 3))
+    log.info("ingest_finished", batches=len(batches), rows=summary.rows, seconds=summary.seconds)
+    return summary
+
+
+def run(config: HubConfig, *, once: bool, master: str | None, stop: threading.Event) -> int:
+    spark = spark_session(master or config.ingest.master)
+    try:
+        ingest(spark, config, once=once, stop=stop)
+    finally:
+        spark.stop()
+    return 0
+
+
+def _log_progress(progress: Any) -> BatchProgress:
+    lag = 0
+    for source in progress.sources:
+        end, latest = _offset(source.endOffset), _offset(source.latestOffset)
+        lag += sum(max(seq - end.get(name, 0), 0) for name, seq in latest.items())
+    batch = BatchProgress(
+        progress.batchId, progress.numInputRows, progress.durationMs["triggerExecution"] / 1000
+    )
+    log.info(
+        "batch_archived",
+        batch_id=batch.batch_id,
+        rows=batch.rows,
+        rows_per_s=round(progress.processedRowsPerSecond or 0.0, 1),
+        lag_messages=lag,
+        seconds=batch.seconds,
+    )
+    return batch
+
+
+def _offset(raw: str | None) -> dict[str, int]:
+    value = json.loads(raw) if raw else None
+    return value if isinstance(value, dict) else {}
+
+
+def _translate(exc: Exception) -> IngestError:
+    """The query's failure, as our own error; a data-loss stop says how many were lost."""
+    text = str(exc)
+    found = _DATA_LOSS.search(text)
+    if found:
+        return DataLossError(found[1], int(found[2]), int(found[3]))
+    first = next((line for line in text.splitlines() if line.strip()), type(exc).__name__)
+    return IngestError(f"ingest query failed: {first}")

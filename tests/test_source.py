@@ -1,0 +1,109 @@
+"""The ``jetstream`` streaming source: options, batch sizing, gaps and retention losses."""
+
+from __future__ import annotations
+
+import pytest
+from pyspark.sql import SparkSession
+from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows
+
+from hub_ingest.audit import Gap, audit_archive
+from hub_ingest.errors import ConfigError, DataLossError
+from hub_ingest.source import JetStreamReader, SeqRange, SourceOptions
+from tests.support.cluster import Hub
+from tests.support.ingest import aggregate_has, ingest_config, run_once, telemetry
+from tests.support.waiting import eventually
+
+RESUME_TIMEOUT = 90
+
+
+def test_options_arrive_lower_cased_and_are_checked() -> None:
+    """Spark lower-cases option keys; values are parsed once, with errors naming the option."""
+    options = SourceOptions.parse(
+        {
+            "servers": "nats://h1:4222, nats://h2:4222",
+            "streams": "FLEET_TELEMETRY,FLEET_EVENTS",
+            "maxmessagespertrigger": "1000",
+            "messagesperpartition": "10",
+            "failondataloss": "FALSE",
+            "domain": "hub",
+        }
+    )
+    assert options.servers == ("nats://h1:4222", "nats://h2:4222")
+    assert options.streams == ("FLEET_TELEMETRY", "FLEET_EVENTS")
+    assert (options.max_messages_per_trigger, options.messages_per_partition) == (1000, 10)
+    assert options.fail_on_data_loss is False
+    assert options.api == "$JS.hub.API"
+    with pytest.raises(ConfigError, match="messagesperpartition"):
+        SourceOptions.parse({"stream": "S", "messagesperpartition": "0"})
+    with pytest.raises(ConfigError, match="streams"):
+        SourceOptions.parse({"servers": "nats://h:4222"})
+
+
+def test_partitions_are_sequence_ranges_and_limits_are_shared() -> None:
+    """Ranges of at most messagesPerPartition; a stream new to the query reads nothing yet."""
+    reader = JetStreamReader(SourceOptions(("nats://x",), ("A", "B"), messages_per_partition=4))
+    assert reader.getDefaultReadLimit() == ReadAllAvailable()
+    assert reader.partitions({"A": 0}, {"A": 9, "B": 5}) == [
+        SeqRange("A", 1, 4),
+        SeqRange("A", 5, 8),
+        SeqRange("A", 9, 9),
+    ]
+    limited = JetStreamReader(SourceOptions(("nats://x",), ("A",), max_messages_per_trigger=7))
+    assert limited.getDefaultReadLimit() == ReadMaxRows(7)
+
+
+@pytest.mark.spark
+async def test_deleted_sequences_cause_neither_duplicates_nor_stalls(
+    hub: Hub, spark: SparkSession
+) -> None:
+    """Deletes at the head, inside a partition and across a whole partition are skipped."""
+    a = await hub.device("a", heartbeat_interval="1h")
+    for i in range(60):
+        await a.js.publish("tele.temp", str(i).encode())
+    await eventually(lambda: aggregate_has(hub, "FLEET_TELEMETRY", 60), timeout=RESUME_TIMEOUT)
+    deleted = {1, 2, 20, 40, 60, *range(33, 49)}  # 33..48 is one whole partition of 16
+    for seq in deleted:
+        await hub.js.delete_msg("FLEET_TELEMETRY", seq)
+    config = ingest_config(hub)  # partitions of 16 from seq 3, batches of 40
+
+    await run_once(spark, config)
+
+    seqs = [r["hub_seq"] for r in telemetry(config).to_pylist()]
+    assert seqs == sorted(set(range(1, 61)) - deleted)
+    assert [r["device_seq"] for r in telemetry(config).to_pylist()] == seqs
+    again = await run_once(spark, config)
+    assert again.rows == 0
+
+
+@pytest.mark.spark
+async def test_retention_loss_fails_with_a_count_unless_allowed_then_audit_shows_gap(
+    hub: Hub, spark: SparkSession
+) -> None:
+    """Messages removed before they were archived stop the job, saying how many; with
+    failOnDataLoss=false it goes on and the audit reports the unexplained gap."""
+    a = await hub.device("a", heartbeat_interval="1h")
+    for i in range(30):
+        await a.js.publish("tele.temp", str(i).encode())
+        if i == 19:
+            await eventually(
+                lambda: aggregate_has(hub, "FLEET_TELEMETRY", 20), timeout=RESUME_TIMEOUT
+            )
+            await run_once(spark, ingest_config(hub))
+    await eventually(lambda: aggregate_has(hub, "FLEET_TELEMETRY", 30), timeout=RESUME_TIMEOUT)
+    await hub.js.purge_stream("FLEET_TELEMETRY", keep=4)  # as max_msgs or max_age would
+
+    with pytest.raises(
+        DataLossError, match=r"removed 6 messages of FLEET_TELEMETRY \(seq 21\.\.26\)"
+    ):
+        await run_once(spark, ingest_config(hub))
+
+    config = ingest_config(hub, fail_on_data_loss=False)
+    await run_once(spark, config)
+    assert [r["device_seq"] for r in telemetry(config).to_pylist()] == [
+        *range(1, 21),
+        *range(27, 31),
+    ]
+    report = audit_archive(config.ingest.archive)
+    (device,) = [d for d in report.devices if d.hub_stream == "FLEET_TELEMETRY"]
+    assert device.missing == (Gap(21, 26, explained=False),)
+    assert not report.ok
