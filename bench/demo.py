@@ -116,8 +116,8 @@ async def phase_commands(hub: Hub, devices: dict[str, Device], verdict: Verdict)
     flaky = devices[FLAKY]
     flaky.proxy.cut()
     await flaky.wait_link(up=False)
-    await hub.js.publish("cmd.all.ping", b'{"id": "demo-broadcast"}')
-    await hub.js.publish(f"cmd.{FLAKY}.config.get", b'{"id": "demo-direct"}')
+    await send(hub.js, new_envelope(BROADCAST, "ping", {}, ttl=600))
+    await send(hub.js, new_envelope(FLAKY, "config.get", {"key": "device_id"}, ttl=600))
     flaky.proxy.restore()
     expected = {
         d: ["cmd.all.ping"] + ([f"cmd.{FLAKY}.config.get"] if d == FLAKY else []) for d in devices
