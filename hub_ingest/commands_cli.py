@@ -8,7 +8,7 @@ import json
 import time
 from typing import Any
 
-from edge_agent.units import parse_duration
+from hub_ingest.cliargs import duration
 from hub_ingest.commands import (
     BROADCAST,
     ResultReader,
@@ -36,13 +36,6 @@ def _arg(text: str) -> tuple[str, Any]:
     return key, value
 
 
-def _duration(text: str) -> float:
-    try:
-        return parse_duration(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def register(sub: Any) -> None:
     command = sub.add_parser("command", help="send commands to devices, follow their results")
     actions = command.add_subparsers(dest="action", required=True)
@@ -61,7 +54,7 @@ def register(sub: Any) -> None:
         help="argument (JSON or text)",
     )
     send_p.add_argument(
-        "--ttl", type=_duration, default=86400.0, help="expires after this long (default 1d)"
+        "--ttl", type=duration, default=86400.0, help="expires after this long (default 1d)"
     )
     send_p.add_argument(
         "--wait",

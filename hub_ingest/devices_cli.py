@@ -10,18 +10,11 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from edge_agent.tomlconf import identifier
+from hub_ingest.cliargs import device_id
 from hub_ingest.config import HubConfig
 from hub_ingest.connect import hub_connection
 from hub_ingest.enrol import enrol, retire
 from hub_ingest.registry import Registry
-
-
-def _device_id(value: str) -> str:
-    try:
-        return identifier(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def register(sub: Any) -> None:
@@ -29,8 +22,8 @@ def register(sub: Any) -> None:
         dest="action", required=True
     )
     add = device.add_parser("add", help="register a device and source its streams")
-    add.add_argument("device_id", type=_device_id)
-    add.add_argument("--domain", type=_device_id, help="its island's domain (default edge-<id>)")
+    add.add_argument("device_id", type=device_id)
+    add.add_argument("--domain", type=device_id, help="its island's domain (default edge-<id>)")
     add.add_argument(
         "--key", help="the device's own public NKey (U...); without it the hub makes a key pair"
     )
@@ -40,7 +33,7 @@ def register(sub: Any) -> None:
         help="where to write a new key's seed (mode 0600; default <state_dir>/credentials/ID.nk)",
     )
     remove = device.add_parser("remove", help="stop sourcing a device (archived data stays)")
-    remove.add_argument("device_id", type=_device_id)
+    remove.add_argument("device_id", type=device_id)
     listing = device.add_parser("list", help="registered devices")
     listing.add_argument("--json", action="store_true")
     for p in (add, remove, listing):

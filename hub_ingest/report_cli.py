@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from edge_agent.units import parse_duration
+from hub_ingest.cliargs import duration
 from hub_ingest.config import HubConfig
 from hub_ingest.connect import hub_connection
 from hub_ingest.provision import AGGREGATES
@@ -23,20 +24,13 @@ WIDTH = 80
 ARCHIVE = "archive"
 
 
-def _duration(value: str) -> float:
-    try:
-        return parse_duration(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def register(sub: Any) -> None:
     p = sub.add_parser("report", help="per-device link, lag, heartbeat and command backlog")
     p.add_argument("--json", action="store_true", help="machine-readable output (see README)")
     p.add_argument("--dot", type=Path, metavar="FILE", help="also write the replication graph")
     p.add_argument(
         "--silent-after",
-        type=_duration,
+        type=duration,
         default=parse_duration("24h"),
         metavar="DURATION",
         help="flag devices not heard from for longer than this (default 24h)",
