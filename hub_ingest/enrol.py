@@ -35,12 +35,12 @@ def seed_path(config: HubConfig, device_id: str) -> Path:
 
 
 async def _apply(
-    js: JetStreamContext, config: HubConfig, registry: Registry
+    js: JetStreamContext, config: HubConfig, registry: Registry, *, streams: bool = True
 ) -> tuple[bool, list[Reconciled]]:
     devices = await registry.list()
     write_auth(config, devices)
     reloaded = await reload_server(config)
-    return reloaded, await provision(js, config, devices)
+    return reloaded, await provision(js, config, devices) if streams else []
 
 
 async def enrol(
@@ -51,9 +51,11 @@ async def enrol(
     domain: str | None = None,
     key: str | None = None,
     seed_file: Path | None = None,
+    streams: bool = True,
 ) -> Change:
     """Register `device_id` with its public `key`, or with a new key whose seed is written to
-    `seed_file` (default ``<state_dir>/credentials/<id>.nk``, mode 0600)."""
+    `seed_file` (default ``<state_dir>/credentials/<id>.nk``, mode 0600). With
+    ``streams=False`` the hub's streams are left for a later `provision`."""
     registry = await Registry.open(js)
     seed = None if key is not None else new_seed()
     nkey = key if key is not None else public_key(seed or "")
@@ -64,9 +66,9 @@ async def enrol(
     if seed is not None:
         written = seed_file or seed_path(config, device_id)
         write_secret(written, seed)
-    reloaded, streams = await _apply(js, config, registry)
+    reloaded, changed = await _apply(js, config, registry, streams=streams)
     log.info("device_enrolled", device_id=device_id, shard=device.shard, reloaded=reloaded)
-    return Change(device, written, reloaded, streams)
+    return Change(device, written, reloaded, changed)
 
 
 async def retire(js: JetStreamContext, config: HubConfig, device_id: str) -> Change:

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
 
+from hub_ingest.auth import public_key
 from hub_ingest.errors import RegistryError
 from hub_ingest.provision import provision
 from hub_ingest.registry import Registry
-from tests.support.cluster import Hub, run_cli, start_hub
+from tests.support.cluster import NATS_SERVER, Hub, run_cli, start_hub
 from tests.support.hub_config import write_hub_config
 
 
@@ -123,3 +125,29 @@ def test_hub_config_errors_exit_2(tmp_path: Path) -> None:
     result = run_cli("hub_ingest", "-c", str(path), "provision")
     assert result.returncode == 2
     assert "aggregates.max_sources_per_stream" in result.stderr
+
+
+def test_render_writes_server_config_users_file_and_operator_key(tmp_path: Path) -> None:
+    """First render: a config nats-server accepts, an operators-only users file and the
+    operators' seed, both readable by their owner only; a second render keeps the users."""
+    path = tmp_path / "hub.toml"
+    path.write_text(f'state_dir = "{tmp_path / "state"}"\n')
+    first = run_cli("hub_ingest", "-c", str(path), "render-nats-config")
+    assert first.returncode == 0, first.stderr
+    conf = tmp_path / "state" / "nats-server.conf"
+    auth = tmp_path / "state" / "auth.conf"
+    seed = tmp_path / "state" / "operator.nk"
+    assert first.stdout.strip() == str(conf)
+    assert "operators only" in first.stderr
+    for secret in (auth, seed):
+        assert secret.stat().st_mode & 0o777 == 0o600
+    assert public_key(seed.read_text().strip()) in auth.read_text()
+    assert 'include "auth.conf"' in conf.read_text()
+    check = subprocess.run(
+        [NATS_SERVER, "-t", "-c", str(conf)], capture_output=True, text=True, check=False
+    )
+    assert check.returncode == 0, check.stderr
+    auth.write_text(auth.read_text() + "# kept\n")
+    again = run_cli("hub_ingest", "-c", str(path), "render-nats-config")
+    assert again.returncode == 0 and "operators only" not in again.stderr
+    assert auth.read_text().endswith("# kept\n")

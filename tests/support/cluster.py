@@ -26,10 +26,11 @@ from edge_agent.app import Agent
 from edge_agent.config import Config, parse_config
 from edge_agent.handlers import Handler
 from edge_agent.island import Monitor, resolve_nats_server, wait_healthy
+from edge_agent.streams import reconcile_stream
 from hub_ingest.auth import write_auth
 from hub_ingest.config import HubConfig, parse_hub_config
 from hub_ingest.enrol import enrol
-from hub_ingest.provision import provision
+from hub_ingest.provision import device_commands, provision
 from hub_ingest.registry import Registry
 from hub_ingest.server import render_server_config
 from tests.support.proxy import TcpProxy
@@ -117,13 +118,21 @@ class Hub:
     def seed_file(self, device_id: str) -> Path:
         return self.root / device_id / "hub.nk"
 
-    async def register(self, device_id: str) -> None:
-        """Enrol the device (key, users file, reload) if it is not yet; provision its streams."""
+    async def register(self, device_id: str, *, streams: bool = True) -> None:
+        """Enrol the device (key, users file, reload) unless it is; provision the streams.
+
+        With ``streams=False`` only its ``CMD_<id>`` is created: the hub's mirrors of its
+        streams are left for `provision`, once the device's streams exist.
+        """
         registry = await Registry.open(self.js)
-        if device_id in {d.device_id for d in await registry.list()}:
+        if device_id not in {d.device_id for d in await registry.list()}:
+            seed = self.seed_file(device_id)
+            await enrol(self.js, self.config, device_id, seed_file=seed, streams=streams)
+        elif streams:
             await self.provision()
-        else:
-            await enrol(self.js, self.config, device_id, seed_file=self.seed_file(device_id))
+        if not streams:
+            device = await registry.get(device_id)
+            await reconcile_stream(self.js, device_commands(self.config, device))
 
     async def provision(self) -> None:
         registry = await Registry.open(self.js)
@@ -148,12 +157,12 @@ class Hub:
 
         `sections` adds config tables (``{"commands": {...}}``), `handlers` replaces the
         built-in command handlers; with ``start=False`` the agent is left for the test to
-        run (e.g. as a subprocess). With `register_when_ready` the device is registered once
-        its streams exist: the hub's sources then start at once instead of 10-40 s later
-        (with ``start=False`` too, the test then calls `register` itself).
+        run (e.g. as a subprocess). With `register_when_ready` the hub's mirrors of the
+        device's streams are made once those exist: they then start at once instead of 10-40 s
+        later (with ``start=False`` too, the test then calls `register` itself).
         """
         # Enrolled up front: the hub admits no leaf connection without a registered key.
-        await self.register(device_id)
+        await self.register(device_id, streams=not register_when_ready)
         proxy = await TcpProxy(self.leaf_port).start()
         state = self.root / device_id
         data: dict[str, Any] = {
