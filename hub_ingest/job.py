@@ -67,9 +67,16 @@ def spark_session(master: str) -> SparkSession:
     # is "Python worker failed to connect back".
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    builder = SparkSession.builder.master(master)
+    if master.startswith("local"):
+        # Everything runs in this process: keep the driver on loopback, not on whatever
+        # address the host name resolves to.
+        os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+        builder = builder.config("spark.driver.host", "127.0.0.1").config(
+            "spark.driver.bindAddress", "127.0.0.1"
+        )
     spark = (
-        SparkSession.builder.master(master)
-        .appName("hub-ingest")
+        builder.appName("hub-ingest")
         # Dates of the archive's partitions are UTC dates, wherever the job runs.
         .config("spark.sql.session.timeZone", "UTC")
         .config("spark.ui.enabled", "false")
