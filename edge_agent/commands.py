@@ -56,7 +56,7 @@ _TRANSIENT = (nats.errors.Error, APIError, OSError)
 class Incoming:
     """A command message as read from the mirror or straight from the hub."""
 
-    seq: int  # the hub COMMANDS sequence: mirrors keep the origin's sequence numbers
+    seq: int  # the sequence in the hub's CMD_<id>: the mirror keeps its origin's numbers
     subject: str
     data: bytes
     headers: Mapping[str, str]

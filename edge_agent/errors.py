@@ -25,6 +25,11 @@ class EdgeAgentError(Exception):
     retriable = False
 
 
+def is_retriable(exc: BaseException) -> bool:
+    """The tenacity predicate: retry only what may succeed later unchanged."""
+    return isinstance(exc, EdgeAgentError) and exc.retriable
+
+
 class ConfigError(EdgeAgentError):
     """The configuration file is missing, unreadable or has a bad value."""
 

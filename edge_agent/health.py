@@ -28,6 +28,7 @@ from edge_agent.outbox import OutboxStats
 from edge_agent.outbox import read_stats as read_outbox_stats
 from edge_agent.statedb import open_readonly
 from edge_agent.streams import COMMANDS, EVENTS, TELEMETRY
+from edge_agent.units import format_time
 
 log = structlog.get_logger(__name__)
 
@@ -84,7 +85,7 @@ class Status:
 
 
 def utc_now_iso() -> str:
-    return datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    return format_time(datetime.now(UTC))
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:

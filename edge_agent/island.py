@@ -27,7 +27,7 @@ import structlog
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_exponential_jitter
 
 from edge_agent.config import Config
-from edge_agent.errors import EdgeAgentError, IslandError, IslandUnavailable
+from edge_agent.errors import IslandError, IslandUnavailable, is_retriable
 
 log = structlog.get_logger(__name__)
 
@@ -200,10 +200,6 @@ async def wait_healthy(
         await asyncio.sleep(0.1)
 
 
-def _retriable(exc: BaseException) -> bool:
-    return isinstance(exc, EdgeAgentError) and exc.retriable
-
-
 def _log_retry(state: RetryCallState) -> None:
     exc = state.outcome.exception() if state.outcome else None
     wait = state.next_action.sleep if state.next_action else 0.0
@@ -246,7 +242,7 @@ class Island:
             await asyncio.to_thread(write_config, self.config)
         while True:
             retrying = AsyncRetrying(
-                retry=retry_if_exception(_retriable),
+                retry=retry_if_exception(is_retriable),
                 wait=wait_exponential_jitter(multiplier=0.2, jitter=0.2, max=30.0),
                 before_sleep=_log_retry,
                 reraise=True,

@@ -27,7 +27,7 @@ from nats.js import JetStreamContext
 from nats.js.api import PubAck
 from tenacity import AsyncRetrying, retry_if_exception, wait_exponential_jitter
 
-from edge_agent.errors import DrainBlocked, EdgeAgentError, OutboxFull
+from edge_agent.errors import DrainBlocked, OutboxFull, is_retriable
 from edge_agent.statedb import StateDB
 
 log = structlog.get_logger(__name__)
@@ -162,10 +162,6 @@ def read_stats(conn: sqlite3.Connection, max_bytes: int) -> OutboxStats:
 _Batch = tuple[list[Row], list["asyncio.Future[PubAck]"]]
 
 
-def _retriable(exc: BaseException) -> bool:
-    return isinstance(exc, EdgeAgentError) and exc.retriable
-
-
 class Drainer:
     """Publishes outbox rows to the island and deletes them once acknowledged."""
 
@@ -191,7 +187,7 @@ class Drainer:
         while True:
             self.outbox.added.clear()  # before draining: an append during the drain counts
             retrying = AsyncRetrying(
-                retry=retry_if_exception(_retriable),
+                retry=retry_if_exception(is_retriable),
                 wait=wait_exponential_jitter(multiplier=0.1, max=5.0, jitter=0.2),
                 reraise=True,
             )

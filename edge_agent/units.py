@@ -1,8 +1,9 @@
-"""Parsing of the human-friendly sizes and durations used in configuration files."""
+"""Parsing of the sizes and durations in configuration files; the one timestamp format."""
 
 from __future__ import annotations
 
 import re
+from datetime import UTC, datetime
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _SIZE_FACTORS = {
@@ -50,12 +51,6 @@ def parse_duration(value: object) -> float:
     raise ValueError(f'expected duration like "30s" or "2h", got {value!r}')
 
 
-def format_duration(seconds: float) -> str:
-    """A short Go-style duration (``"1h2m3s"``), as nats-server config files accept."""
-    if seconds < 1:
-        return f"{round(seconds * 1000)}ms"
-    whole = round(seconds)
-    hours, rest = divmod(whole, 3600)
-    minutes, secs = divmod(rest, 60)
-    out = (f"{hours}h" if hours else "") + (f"{minutes}m" if minutes else "")
-    return out + (f"{secs}s" if secs or not out else "")
+def format_time(moment: datetime) -> str:
+    """RFC 3339 in UTC with milliseconds and a ``Z``, as every timestamp we write looks."""
+    return moment.astimezone(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")

@@ -21,6 +21,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
+from edge_agent.units import format_time
 from hub_ingest.errors import HubIngestError
 from hub_ingest.provision import AGGREGATES, COMMANDS
 from hub_ingest.registry import Device
@@ -53,14 +54,10 @@ def new_envelope(target: str, type_: str, args: Mapping[str, Any], ttl: float) -
         id=uuid.uuid4().hex,
         type=type_,
         args=dict(args),
-        issued_at=_iso(now),
-        expires_at=_iso(now + timedelta(seconds=ttl)),
+        issued_at=format_time(now),
+        expires_at=format_time(now + timedelta(seconds=ttl)),
         device_id=target,
     )
-
-
-def _iso(t: datetime) -> str:
-    return t.isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 async def send(js: JetStreamContext, envelope: Envelope) -> int:

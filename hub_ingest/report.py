@@ -33,6 +33,7 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
+from edge_agent.units import format_time
 from hub_ingest.config import HubConfig
 from hub_ingest.errors import ReportError
 from hub_ingest.provision import AGGREGATES, COMMANDS, mirror_name
@@ -147,10 +148,6 @@ class FleetReport:
             "devices": [{**asdict(d), "flagged": d.flagged} for d in self.devices],
             "warnings": list(self.warnings),
         }
-
-
-def iso(moment: datetime) -> str:
-    return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 def parse_time(value: object) -> datetime | None:
@@ -437,7 +434,7 @@ async def collect_report(
                 if leaves is None
                 else bool(leaves & {device.domain, f"edge-{device.device_id}"}),
                 sources=sources,
-                last_heartbeat_at=iso(beat_at) if beat_at else None,
+                last_heartbeat_at=format_time(beat_at) if beat_at else None,
                 last_heartbeat_age_s=beat_age,
                 last_seen_s=last_seen,
                 telemetry_dropped=_telemetry_dropped(heartbeat),
@@ -446,4 +443,4 @@ async def collect_report(
                 flags=_flags(last_seen, silent_after),
             )
         )
-    return FleetReport(iso(now), silent_after, tuple(reports), tuple(warnings))
+    return FleetReport(format_time(now), silent_after, tuple(reports), tuple(warnings))
