@@ -35,7 +35,7 @@ async def test_two_devices_and_a_cut_link_archived_once_with_device_time(
     await a.wait_link(up=False)
     for i in range(5, 25):
         await a.js.publish("tele.temp", f'{{"t": {i}}}'.encode())
-    cut_over = datetime.now(UTC).replace(tzinfo=None)  # Spark writes UTC without a zone
+    cut_over = datetime.now(UTC)
     a.proxy.restore()
     await eventually(
         lambda: aggregate_has(hub, "FLEET_TELEMETRY", 30), timeout=RESUME_TIMEOUT, what="30 rows"

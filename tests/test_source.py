@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+from typing import Any
+
 import pytest
+from nats.js.api import StreamConfig, StreamSource, SubjectTransform
 from pyspark.sql import SparkSession
 from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows
 
@@ -107,3 +111,68 @@ async def test_retention_loss_fails_with_a_count_unless_allowed_then_audit_shows
     (device,) = [d for d in report.devices if d.hub_stream == "FLEET_TELEMETRY"]
     assert device.missing == (Gap(21, 26, explained=False),)
     assert not report.ok
+
+
+async def test_rows_are_attributed_from_subject_and_stored_headers(hub: Hub) -> None:
+    """A read range becomes rows straight from the server's replies: the device and subject
+    from ``fleet.<device>.<subject>``, the origin's sequence and store time through
+    ``Nats-Stream-Source``, every stored header kept; rows that break these conventions keep
+    what they have instead of failing the batch."""
+    await hub.js.add_stream(StreamConfig(name="ORIGIN", subjects=["origin.>"], allow_direct=True))
+    for i in range(3):
+        await hub.js.publish("origin.tele", str(i).encode(), headers={"X-Note": "  two words "})
+    into_fleet = SubjectTransform(src="origin.>", dest="fleet.d1.origin.>")
+    parsed = StreamConfig(
+        name="PARSED",
+        subjects=["fleet.d2.>", "other"],
+        sources=[StreamSource(name="ORIGIN", subject_transforms=[into_fleet])],
+        allow_direct=True,
+    )
+    await hub.js.add_stream(parsed)
+    await eventually(lambda: aggregate_has(hub, "PARSED", 3), timeout=RESUME_TIMEOUT)
+    await hub.js.publish("fleet.d2.evt.x", b"3")
+    await hub.js.publish("other", b"4", headers={"X-Name": "café"})
+    await hub.js.delete_msg("PARSED", 2)
+    await hub.js.delete_msg("ORIGIN", 3)  # as retention would: its store time is gone
+    options = SourceOptions(
+        (hub.url,),
+        ("PARSED",),
+        credentials=str(hub.config.nats.credentials),
+        domain=hub.config.nats.domain,
+    )
+
+    def read() -> list[dict[str, Any]]:
+        (batch,) = JetStreamReader(options).read(SeqRange("PARSED", 1, 4))
+        return [{**row, "headers": dict(row["headers"])} for row in batch.to_pylist()]
+
+    rows = await asyncio.to_thread(read)
+
+    origin_time = (await hub.js.get_msg("ORIGIN", 1)).time
+    expected = [
+        ("d1", "origin.tele", 1, 1, origin_time),
+        ("d1", "origin.tele", 3, 3, None),
+        ("d2", "evt.x", None, 4, None),
+    ]
+    columns = ("device_id", "subject", "device_seq", "hub_seq", "device_time")
+    assert [tuple(r[c] for c in columns) for r in rows] == expected
+    assert [r["payload"] for r in rows] == [b"0", b"2", b"3"]
+    assert [r["headers"]["X-Note"] for r in rows[:2]] == ["two words"] * 2
+    assert rows[0]["headers"]["Nats-Stream-Source"].split()[:2] == ["ORIGIN", "1"]
+    assert rows[2]["headers"] == {}
+    assert {r["hub_stream"] for r in rows} == {"PARSED"}
+    assert all(r["hub_time"] > origin_time for r in rows)
+
+    (other,) = await asyncio.to_thread(
+        lambda: list(JetStreamReader(options).read(SeqRange("PARSED", 5, 5)))
+    )
+    assert other.to_pylist()[0] | {"hub_time": None} == {
+        "device_id": None,
+        "subject": "other",
+        "device_seq": None,
+        "hub_stream": "PARSED",
+        "hub_seq": 5,
+        "device_time": None,
+        "hub_time": None,
+        "headers": [("X-Name", "café")],
+        "payload": b"4",
+    }
