@@ -405,14 +405,8 @@ async def _read_range(options: SourceOptions, part: SeqRange) -> pa.RecordBatch:
         frames = await _get_range(nc, options.api, part.stream, part.first, part.last)
         replies = _replies(frames)
         headers = _headers(replies.stored)
-        origin = _origin(headers, len(frames.headers))
-        device_time = pa.nulls(len(frames.headers), ARROW_SCHEMA.field("device_time").type)
-        for mirror in pc.unique(origin.mirror.drop_null()).to_pylist():
-            rows = pc.fill_null(pc.equal(origin.mirror, mirror), False)
-            lo, hi = pc.min_max(pc.filter(origin.seq, rows)).values()
-            got = _replies(await _get_range(nc, options.api, mirror, lo.as_py(), hi.as_py()))
-            found = pc.take(got.time, pc.index_in(origin.seq, value_set=got.seq))
-            device_time = pc.if_else(rows, found, device_time)
+        origin = _origin(headers)
+        device_time = await _device_times(nc, options.api, origin)
     finally:
         await nc.close()
     device_id, subject = _attribution(replies.subject, origin.subject)
@@ -457,7 +451,8 @@ class _Origin:
     subject: pa.Array
 
 
-def _origin(headers: pa.MapArray, rows: int) -> _Origin:
+def _origin(headers: pa.MapArray) -> _Origin:
+    rows = len(headers)
     is_source = pc.equal(headers.keys, "Nats-Stream-Source")
     # "<stream>[:<hash>] <seq> <filter> <transform> <subject> …"
     fields = pc.split_pattern(pc.filter(headers.items, is_source), " ")
@@ -473,6 +468,18 @@ def _origin(headers: pa.MapArray, rows: int) -> _Origin:
         seq=pc.take(pc.cast(pc.list_element(fields, 1), pa.int64()), at),
         subject=pc.take(subject, at),
     )
+
+
+async def _device_times(nc: _FrameClient, api: str, origin: _Origin) -> pa.Array:
+    """Each row's store time on the device, read from the hub mirror it was sourced from."""
+    times = pa.nulls(len(origin.seq), ARROW_SCHEMA.field("device_time").type)
+    for mirror in pc.unique(origin.mirror.drop_null()).to_pylist():
+        rows = pc.fill_null(pc.equal(origin.mirror, mirror), False)
+        lo, hi = pc.min_max(pc.filter(origin.seq, rows)).values()
+        got = _replies(await _get_range(nc, api, mirror, lo.as_py(), hi.as_py()))
+        found = pc.take(got.time, pc.index_in(origin.seq, value_set=got.seq))
+        times = pc.if_else(rows, found, times)
+    return times
 
 
 def _attribution(hub_subject: pa.Array, published: pa.Array) -> tuple[pa.Array, pa.Array]:
