@@ -176,3 +176,27 @@ async def test_rows_are_attributed_from_subject_and_stored_headers(hub: Hub) -> 
         "headers": [("X-Name", "café")],
         "payload": b"4",
     }
+
+
+async def test_large_messages_are_read_in_pulls_bounded_in_bytes(hub: Hub) -> None:
+    """A pull stops at 16 MiB, so 40 messages of 900 kB take three pulls; none is lost or
+    doubled where one pull ends and the next begins, and the read leaves no consumer behind."""
+    await hub.js.add_stream(StreamConfig(name="BIG", subjects=["fleet.d9.>"], allow_direct=True))
+    payloads = [bytes([i]) * 900_000 for i in range(40)]
+    for payload in payloads:
+        await hub.js.publish("fleet.d9.blob", payload)
+    options = SourceOptions(
+        (hub.url,),
+        ("BIG",),
+        credentials=str(hub.config.nats.credentials),
+        domain=hub.config.nats.domain,
+    )
+
+    (batch,) = await asyncio.to_thread(
+        lambda: list(JetStreamReader(options).read(SeqRange("BIG", 1, 40)))
+    )
+
+    assert batch.column("hub_seq").to_pylist() == list(range(1, 41))
+    assert batch.column("payload").to_pylist() == payloads
+    assert set(batch.column("device_id").to_pylist()) == {"d9"}
+    assert (await hub.js.stream_info("BIG")).state.consumer_count == 0
