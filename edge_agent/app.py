@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import sqlite3
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from typing import Any
 
 import nats
@@ -45,6 +45,9 @@ from edge_agent.statedb import StateDB
 from edge_agent.streams import reconcile
 
 log = structlog.get_logger(__name__)
+
+
+_STRAGGLER_GRACE_S = 5.0  # after the TaskGroup's cancel, before cancelling again
 
 
 class _Shutdown(Exception):
@@ -105,6 +108,8 @@ class Agent:
         self._reconcile_needed = asyncio.Event()
         self._nc: Client | None = None
         self._started = time.monotonic()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._recancel: asyncio.Task[None] | None = None
 
     async def _island_came_up(self) -> None:
         self._reconcile_needed.set()
@@ -117,12 +122,14 @@ class Agent:
         self.outbox = Outbox(self._db, self.config.outbox.max_bytes)
         try:
             async with asyncio.TaskGroup() as tg:
-                tg.create_task(self.island.run())
-                tg.create_task(self._serve(tg))
-                tg.create_task(self._wait_for_shutdown())
+                self._spawn(tg, self.island.run())
+                self._spawn(tg, self._serve(tg))
+                self._spawn(tg, self._wait_for_shutdown())
         except* _Shutdown:
             pass
         finally:
+            if self._recancel is not None:
+                self._recancel.cancel()
             await self._close()
         log.info("agent_stopped", device_id=self.config.device_id)
 
@@ -136,7 +143,26 @@ class Agent:
         if self.drainer is not None and self.island.up.is_set():
             # Rows that do not make it stay in SQLite for the next start; nothing is lost.
             await self.drainer.flush(grace)
+        self._recancel = asyncio.get_running_loop().create_task(self._cancel_stragglers())
         raise _Shutdown
+
+    def _spawn(self, tg: asyncio.TaskGroup, coro: Coroutine[Any, Any, None]) -> None:
+        task = tg.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _cancel_stragglers(self) -> None:
+        """Cancel the agent's tasks again while any is left after the TaskGroup's cancel.
+
+        On Python 3.11 `asyncio.wait_for` can swallow a cancellation that arrives together
+        with the reply it awaited (fixed in 3.12); a loop that lost its one cancel kept the
+        agent from ever stopping (seen: fast resume went on to wait for the link to drop).
+        """
+        while self._tasks:
+            await asyncio.sleep(_STRAGGLER_GRACE_S)
+            log.warning("shutdown_cancelled_again", tasks=len(self._tasks))
+            for task in self._tasks:
+                task.cancel()
 
     async def _serve(self, tg: asyncio.TaskGroup) -> None:
         await self.island.up.wait()
@@ -147,17 +173,17 @@ class Agent:
         ledger = Ledger(self._db, self.outbox, self.config.device_id)
         executor = Executor(self.config, ledger, self.handlers, js, on_restart=self._restart)
         self.executor = executor
-        tg.create_task(self._reconcile_loop(js))
-        tg.create_task(self._every(self.config.agent.link_poll_interval, self.link.poll))
-        tg.create_task(self.drainer.run())
-        tg.create_task(self._every(self.config.agent.heartbeat_interval, self._heartbeat))
-        tg.create_task(self._after_ready(executor.run))
+        self._spawn(tg, self._reconcile_loop(js))
+        self._spawn(tg, self._every(self.config.agent.link_poll_interval, self.link.poll))
+        self._spawn(tg, self.drainer.run())
+        self._spawn(tg, self._every(self.config.agent.heartbeat_interval, self._heartbeat))
+        self._spawn(tg, self._after_ready(executor.run))
         if self.config.commands.fast_resume:
             hub_js = self._nc.jetstream(domain=self.config.hub.domain, timeout=2.0)
             resume = FastResume(self.config, js, hub_js, self.link, executor)
-            tg.create_task(self._after_ready(resume.run))
+            self._spawn(tg, self._after_ready(resume.run))
         if self.notifier.watchdog_interval is not None:
-            tg.create_task(self._watchdog(self.notifier.watchdog_interval))
+            self._spawn(tg, self._watchdog(self.notifier.watchdog_interval))
 
     async def _after_ready(self, step: Callable[[], Awaitable[None]]) -> None:
         await self.ready.wait()

@@ -2,6 +2,7 @@
 
     HubIngestError
     ├── ConfigError          bad or missing hub configuration (CLI exit code 2)
+    ├── HubUnreachableError  the hub refused the connection or did not answer
     ├── RegistryError        the device registry refused a change (unknown or duplicate device)
     ├── ProvisionError       the hub refused a stream configuration
     ├── ReportError          the fleet report could not read what it needs from the hub
@@ -22,6 +23,10 @@ class HubIngestError(Exception):
 
 class ConfigError(HubIngestError):
     """The hub configuration file is missing, unreadable or has a bad value."""
+
+
+class HubUnreachableError(HubIngestError):
+    """No hub server accepted a connection: it is down, or refused our key."""
 
 
 class RegistryError(HubIngestError):

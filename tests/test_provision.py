@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from hub_ingest.auth import public_key
+from hub_ingest.auth import ensure_operator_key, public_key
 from hub_ingest.errors import RegistryError
 from hub_ingest.provision import provision
 from hub_ingest.registry import Registry
@@ -117,6 +118,24 @@ async def test_device_cli_round_trip(hub: Hub, tmp_path: Path) -> None:
     code, out, _ = await asyncio.to_thread(cli, "provision")
     assert code == 0
     assert "COMMANDS" in out
+
+
+async def test_a_key_the_hub_refuses_is_an_error_naming_it(hub: Hub, tmp_path: Path) -> None:
+    """A wrong operator key fails within seconds, saying why and which file was used;
+    nats-py on its own would retry the first connection for ever."""
+    stranger = tmp_path / "stranger.nk"
+    nats_config = replace(hub.config.nats, credentials=stranger)
+    ensure_operator_key(replace(hub.config, nats=nats_config))  # a valid key the hub never saw
+    config = write_hub_config(replace(hub.config, nats=nats_config), tmp_path / "hub.toml")
+
+    result = await asyncio.to_thread(
+        run_cli, "hub_ingest", "-c", str(config), "device", "list", timeout=45
+    )
+
+    assert result.returncode == 1
+    error = result.stderr.strip().splitlines()[-1]
+    assert "authorization violation" in error.lower()
+    assert f"nats.credentials = {stranger}" in error
 
 
 def test_hub_config_errors_exit_2(tmp_path: Path) -> None:

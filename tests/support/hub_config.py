@@ -15,6 +15,7 @@ def write_hub_config(config: HubConfig, path: Path) -> Path:
 [nats]
 servers = {json.dumps(list(config.nats.servers))}
 domain = {json.dumps(config.nats.domain)}
+credentials = {json.dumps(str(config.nats.credentials))}
 [server]
 server_name = {json.dumps(srv.server_name)}
 listen = {json.dumps(srv.listen)}
