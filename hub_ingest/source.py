@@ -73,7 +73,7 @@ ARROW_SCHEMA = pa.schema(
 )
 _NO_TEXT = pa.scalar(None, pa.string())
 _PULL_BATCH = 10_000  # messages per pull or direct-get request
-_PULL_BYTES = 16 << 20
+_PULL_BYTES = 16 << 20  # per pull: well under the 64 MiB a server lets a client fall behind
 _MAX_BYTES = "409 Message Size Exceeds MaxBytes"
 _CONSUMER_IDLE_S = 30.0  # a consumer left behind by a dead task goes after this
 
