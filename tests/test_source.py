@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
+import pyarrow as pa
 import pytest
 from nats.js.api import StreamConfig, StreamSource, SubjectTransform
 from pyspark.sql import SparkSession
@@ -113,6 +113,18 @@ async def test_retention_loss_fails_with_a_count_unless_allowed_then_audit_shows
     assert not report.ok
 
 
+async def _read(hub: Hub, part: SeqRange) -> pa.RecordBatch:
+    """One partition, read as a Spark task would (in a thread: `read` runs its own loop)."""
+    options = SourceOptions(
+        (hub.url,),
+        (part.stream,),
+        credentials=str(hub.config.nats.credentials),
+        domain=hub.config.nats.domain,
+    )
+    (batch,) = await asyncio.to_thread(lambda: list(JetStreamReader(options).read(part)))
+    return batch
+
+
 async def test_rows_are_attributed_from_subject_and_stored_headers(hub: Hub) -> None:
     """A read range becomes rows straight from the server's replies: the device and subject
     from ``fleet.<device>.<subject>``, the origin's sequence and store time through
@@ -134,18 +146,10 @@ async def test_rows_are_attributed_from_subject_and_stored_headers(hub: Hub) -> 
     await hub.js.publish("other", b"4", headers={"X-Name": "café"})
     await hub.js.delete_msg("PARSED", 2)
     await hub.js.delete_msg("ORIGIN", 3)  # as retention would: its store time is gone
-    options = SourceOptions(
-        (hub.url,),
-        ("PARSED",),
-        credentials=str(hub.config.nats.credentials),
-        domain=hub.config.nats.domain,
-    )
 
-    def read() -> list[dict[str, Any]]:
-        (batch,) = JetStreamReader(options).read(SeqRange("PARSED", 1, 4))
-        return [{**row, "headers": dict(row["headers"])} for row in batch.to_pylist()]
+    batch = await _read(hub, SeqRange("PARSED", 1, 4))
 
-    rows = await asyncio.to_thread(read)
+    rows = [{**row, "headers": dict(row["headers"])} for row in batch.to_pylist()]
 
     origin_time = (await hub.js.get_msg("ORIGIN", 1)).time
     expected = [
@@ -162,9 +166,7 @@ async def test_rows_are_attributed_from_subject_and_stored_headers(hub: Hub) -> 
     assert {r["hub_stream"] for r in rows} == {"PARSED"}
     assert all(r["hub_time"] > origin_time for r in rows)
 
-    (other,) = await asyncio.to_thread(
-        lambda: list(JetStreamReader(options).read(SeqRange("PARSED", 5, 5)))
-    )
+    other = await _read(hub, SeqRange("PARSED", 5, 5))
     assert other.to_pylist()[0] | {"hub_time": None} == {
         "device_id": None,
         "subject": "other",
@@ -185,16 +187,8 @@ async def test_large_messages_are_read_in_pulls_bounded_in_bytes(hub: Hub) -> No
     payloads = [bytes([i]) * 900_000 for i in range(40)]
     for payload in payloads:
         await hub.js.publish("fleet.d9.blob", payload)
-    options = SourceOptions(
-        (hub.url,),
-        ("BIG",),
-        credentials=str(hub.config.nats.credentials),
-        domain=hub.config.nats.domain,
-    )
 
-    (batch,) = await asyncio.to_thread(
-        lambda: list(JetStreamReader(options).read(SeqRange("BIG", 1, 40)))
-    )
+    batch = await _read(hub, SeqRange("BIG", 1, 40))
 
     assert batch.column("hub_seq").to_pylist() == list(range(1, 41))
     assert batch.column("payload").to_pylist() == payloads
