@@ -33,6 +33,7 @@ from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential_ji
 from edge_agent.commands import Executor
 from edge_agent.config import Config
 from edge_agent.errors import OutboxFull
+from edge_agent.fence import CommandFence
 from edge_agent.handlers import Handler, builtin_handlers
 from edge_agent.health import LinkTracker, collect_status, heartbeat_payload
 from edge_agent.island import Island
@@ -42,7 +43,7 @@ from edge_agent.notify import Notifier
 from edge_agent.outbox import Drainer, Outbox
 from edge_agent.resume import FastResume
 from edge_agent.statedb import StateDB
-from edge_agent.streams import reconcile
+from edge_agent.streams import EVENTS, reconcile
 
 log = structlog.get_logger(__name__)
 
@@ -106,6 +107,7 @@ class Agent:
         self.executor: Executor | None = None
         self._db: StateDB | None = None
         self._reconcile_needed = asyncio.Event()
+        self._island_was_fresh: bool | None = None  # EVENTS created by the first reconcile
         self._nc: Client | None = None
         self._started = time.monotonic()
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -171,15 +173,20 @@ class Agent:
         assert self._db is not None and self.outbox is not None
         self.drainer = Drainer(self.outbox, js)
         ledger = Ledger(self._db, self.outbox, self.config.device_id)
-        executor = Executor(self.config, ledger, self.handlers, js, on_restart=self._restart)
+        fence = CommandFence(self._db, self.config.device_id)
+        executor = Executor(
+            self.config, ledger, self.handlers, js, fence=fence, on_restart=self._restart
+        )
         self.executor = executor
+        hub_js = self._nc.jetstream(domain=self.config.hub.domain, timeout=2.0)
+        if not await fence.load():
+            self._spawn(tg, self._after_ready(lambda: self._learn_fence(fence, js, hub_js)))
         self._spawn(tg, self._reconcile_loop(js))
         self._spawn(tg, self._every(self.config.agent.link_poll_interval, self.link.poll))
         self._spawn(tg, self.drainer.run())
         self._spawn(tg, self._every(self.config.agent.heartbeat_interval, self._heartbeat))
         self._spawn(tg, self._after_ready(executor.run))
         if self.config.commands.fast_resume:
-            hub_js = self._nc.jetstream(domain=self.config.hub.domain, timeout=2.0)
             resume = FastResume(self.config, js, hub_js, self.link, executor)
             self._spawn(tg, self._after_ready(resume.run))
         if self.notifier.watchdog_interval is not None:
@@ -188,6 +195,12 @@ class Agent:
     async def _after_ready(self, step: Callable[[], Awaitable[None]]) -> None:
         await self.ready.wait()
         await step()
+
+    async def _learn_fence(
+        self, fence: CommandFence, js: JetStreamContext, hub_js: JetStreamContext
+    ) -> None:
+        assert self._island_was_fresh is not None  # set by the reconcile before `ready`
+        await fence.learn(js, hub_js, self.link, self._island_was_fresh)
 
     async def _restart(self) -> None:
         """``agent.restart``: exit (code 75) so that systemd starts the agent again."""
@@ -207,7 +220,11 @@ class Agent:
             async for attempt in retrying:
                 with attempt:
                     await self.island.up.wait()
-                    await reconcile(js, self.config)
+                    results = await reconcile(js, self.config)
+            if self._island_was_fresh is None:
+                self._island_was_fresh = any(
+                    r.name == EVENTS and r.change == "created" for r in results
+                )
             if not self.ready.is_set():
                 self.notifier.ready()
             self.ready.set()

@@ -37,6 +37,7 @@ from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential_ji
 
 from edge_agent.config import Config
 from edge_agent.errors import CommandFailed, CommandRefused
+from edge_agent.fence import CommandFence
 from edge_agent.handlers import Handler, HandlerContext
 from edge_agent.health import utc_now_iso
 from edge_agent.ledger import Ledger, Result, ResultStatus
@@ -153,6 +154,15 @@ def parse_command(
     return Command(body["id"], type_, args, issued_at, expires_at, target)
 
 
+def _check_fence(item: Incoming, fence: int) -> None:
+    if item.seq <= fence:
+        raise CommandRefused(
+            "seq",
+            f"device re-imaged: command {item.seq} was issued before this incarnation "
+            f"(fence {fence}) and may have run on the previous one; not run",
+        )
+
+
 class Executor:
     """Runs commands one at a time, from the mirror consumer and from `FastResume`."""
 
@@ -162,10 +172,13 @@ class Executor:
         ledger: Ledger,
         handlers: Mapping[str, Handler],
         js: JetStreamContext,
+        *,
+        fence: CommandFence,
         on_restart: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self._config = config
         self._ledger = ledger
+        self._fence = fence
         self._handlers = handlers
         self._js = js
         self._on_restart = on_restart
@@ -204,6 +217,7 @@ class Executor:
     async def run(self) -> None:
         """Consume the mirror until `stop()`; transient errors are retried with backoff."""
         await self.recover()
+        await self._fence.known.wait()
         retrying = AsyncRetrying(
             retry=retry_if_exception_type(_TRANSIENT),
             wait=wait_exponential_jitter(multiplier=0.2, max=2.0, jitter=0.2),
@@ -276,6 +290,7 @@ class Executor:
 
     async def process(self, item: Incoming) -> bool:
         """Handle one command message; False when stopping (it stays for the next run)."""
+        await self._fence.known.wait()
         async with self._lock, self._working():
             if self._stopping:
                 return False
@@ -288,6 +303,7 @@ class Executor:
             received = utc_now_iso()
             now = datetime.now(UTC)
             try:
+                _check_fence(item, self._fence.value)
                 command = parse_command(
                     item, self._config.device_id, max_payload, self._handlers, now
                 )

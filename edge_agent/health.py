@@ -27,7 +27,7 @@ from edge_agent.ledger import read_stats as read_command_stats
 from edge_agent.outbox import OutboxStats
 from edge_agent.outbox import read_stats as read_outbox_stats
 from edge_agent.statedb import open_readonly
-from edge_agent.streams import COMMANDS, EVENTS, TELEMETRY
+from edge_agent.streams import COMMANDS, EVENTS, INCARNATION, TELEMETRY
 from edge_agent.units import format_time
 
 log = structlog.get_logger(__name__)
@@ -53,6 +53,8 @@ class StreamStatus:
     # Messages removed from the device before anyone could have read them all: the budget or
     # max_age forced them out. The hub's sourcing may still have copied some of them.
     dropped: int
+    # The stream's incarnation (see `streams`): a new one after a re-image or a new store.
+    incarnation: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +146,7 @@ def _stream_status(detail: dict[str, Any]) -> StreamStatus:
         first_seq=first_seq,
         last_seq=int(state.get("last_seq", 0)),
         dropped=max(first_seq - 1, 0),
+        incarnation=(config.get("metadata") or {}).get(INCARNATION),
     )
 
 

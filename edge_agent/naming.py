@@ -31,3 +31,29 @@ def to_hub_prefix(device_id: str) -> str:
 def inbox_prefix(device_id: str) -> str:
     """Reply subjects of the agent's own requests that cross the link (fast resume)."""
     return f"_INBOX_{device_id}"
+
+
+def hub_reply_prefix(device_id: str) -> str:
+    """Reply subjects of the hub's own requests to this device's island (which may answer
+    on them and on no other device's): a device cannot forge another's answers."""
+    return f"_HUBINBOX.{device_id}"
+
+
+def hub_consumer(incarnation: str) -> str:
+    """The durable consumer on a device stream that the hub's mirror of it reads through.
+
+    It lives in the device's store, so a re-imaged device (empty store) has none of the old
+    incarnation's: the hub's old mirror finds nothing to resume and can never take the new
+    incarnation's messages under the old one's sequence numbers.
+    """
+    return f"HUB_{incarnation}"
+
+
+def hub_deliver_subject(device_id: str, incarnation: str, device_stream: str) -> str:
+    """Where that consumer delivers: under the device's own to-hub prefix (see auth)."""
+    return f"{to_hub_prefix(device_id)}.{incarnation}.{device_stream}"
+
+
+def fence_key(incarnation: str) -> str:
+    """``CMD_<id>`` metadata key of an incarnation's command fence (see `edge_agent.fence`)."""
+    return f"fence.{incarnation}"

@@ -7,16 +7,28 @@
   ``COMMANDS``: ``cmd.<device_id>.>`` and ``cmd.all.>``) through ``$JS.<hub-domain>.API``, so
   commands keep arriving into local storage and stay readable while the link is down. The
   device is allowed to read that stream and no other (see docs/security.md).
+
+Each outbound stream carries an *incarnation* id in its metadata, made when the stream is
+created: a re-imaged device (same id and key, empty store) gets new ones. The hub mirrors
+each outbound stream through a durable consumer named after the incarnation
+(`naming.hub_consumer`), which the agent creates here; the hub notices a new incarnation and
+mirrors it afresh from sequence 1 (`hub_ingest.incarnations`), while the old mirror, whose
+consumer died with the old store, keeps what it had and can take nothing new.
 """
 
 from __future__ import annotations
 
+import secrets
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
 import structlog
 from nats.js import JetStreamContext
 from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DeliverPolicy,
     DiscardPolicy,
     ExternalStream,
     StorageType,
@@ -27,14 +39,21 @@ from nats.js.errors import APIError, NotFoundError
 
 from edge_agent.config import Config, StreamBudget
 from edge_agent.errors import StreamError
-from edge_agent.naming import command_stream, to_device_prefix
+from edge_agent.naming import (
+    command_stream,
+    hub_consumer,
+    hub_deliver_subject,
+    to_device_prefix,
+)
 
 log = structlog.get_logger(__name__)
 
 TELEMETRY = "TELEMETRY"
 EVENTS = "EVENTS"
 COMMANDS = "COMMANDS"
+OUTBOUND = (TELEMETRY, EVENTS)
 MANAGED_BY = {"managed-by": "edge-agent"}
+INCARNATION = "incarnation"  # stream metadata key
 
 Change = Literal["created", "updated", "recreated", "unchanged"]
 
@@ -46,7 +65,15 @@ class Reconciled:
     fields: tuple[str, ...] = ()
 
 
-def _outbound(name: str, subject: str, budget: StreamBudget) -> StreamConfig:
+def new_incarnation() -> str:
+    """A fresh incarnation id: random, so a device clock reset cannot repeat one."""
+    return secrets.token_hex(6)
+
+
+def _outbound(
+    name: str, subject: str, budget: StreamBudget, incarnation: str | None
+) -> StreamConfig:
+    metadata = MANAGED_BY if incarnation is None else {**MANAGED_BY, INCARNATION: incarnation}
     return StreamConfig(
         name=name,
         subjects=[subject],
@@ -56,12 +83,15 @@ def _outbound(name: str, subject: str, budget: StreamBudget) -> StreamConfig:
         max_age=budget.max_age,
         duplicate_window=120.0,
         allow_direct=True,
-        metadata=MANAGED_BY,
+        metadata=metadata,
     )
 
 
-def desired_streams(config: Config) -> list[StreamConfig]:
-    """The streams the island must have, as configured."""
+def desired_streams(
+    config: Config, incarnations: Mapping[str, str] | None = None
+) -> list[StreamConfig]:
+    """The streams the island must have, as configured (outbound ones in `incarnations`)."""
+    incarnations = incarnations or {}
     mirror = StreamSource(
         name=command_stream(config.device_id),
         external=ExternalStream(
@@ -69,8 +99,8 @@ def desired_streams(config: Config) -> list[StreamConfig]:
         ),
     )
     return [
-        _outbound(TELEMETRY, "tele.>", config.streams.telemetry),
-        _outbound(EVENTS, "evt.>", config.streams.events),
+        _outbound(TELEMETRY, "tele.>", config.streams.telemetry, incarnations.get(TELEMETRY)),
+        _outbound(EVENTS, "evt.>", config.streams.events, incarnations.get(EVENTS)),
         StreamConfig(
             name=COMMANDS,
             storage=StorageType.FILE,
@@ -134,9 +164,49 @@ async def reconcile_stream(js: JetStreamContext, want: StreamConfig) -> Reconcil
         raise StreamError(f"stream {want.name}: {exc.description} (code {exc.err_code})") from exc
 
 
+def hub_consumer_config(device_id: str, stream: str, incarnation: str) -> ConsumerConfig:
+    """The durable push consumer the hub's mirror of `stream` binds to (ADR-60 sourcing)."""
+    return ConsumerConfig(
+        durable_name=hub_consumer(incarnation),
+        deliver_subject=hub_deliver_subject(device_id, incarnation, stream),
+        deliver_policy=DeliverPolicy.ALL,
+        # The mirror drives acknowledgements through flow control; nothing else acks.
+        ack_policy=AckPolicy.FLOW_CONTROL,
+        flow_control=True,
+        idle_heartbeat=1.0,  # what a mirror expects to see from its origin
+        metadata=MANAGED_BY,
+    )
+
+
+async def incarnations(js: JetStreamContext) -> dict[str, str | None]:
+    """The incarnation of each outbound stream on the island (None: no stream, or no id)."""
+    found: dict[str, str | None] = {}
+    for name in OUTBOUND:
+        try:
+            metadata = (await js.stream_info(name)).config.metadata or {}
+        except NotFoundError:
+            metadata = {}
+        found[name] = metadata.get(INCARNATION)
+    return found
+
+
 async def reconcile(js: JetStreamContext, config: Config) -> list[Reconciled]:
-    """Bring every island stream in line with `config`; safe to call any number of times."""
-    results = [await reconcile_stream(js, want) for want in desired_streams(config)]
+    """Bring every island stream in line with `config`; safe to call any number of times.
+
+    An outbound stream keeps its incarnation; one created now gets a new id (the same for
+    every stream created in this call).
+    """
+    fresh = new_incarnation()
+    try:
+        found = await incarnations(js)
+        chosen = {name: found[name] or fresh for name in OUTBOUND}
+        if new := [name for name in OUTBOUND if found[name] is None]:
+            log.info("incarnation_started", incarnation=fresh, streams=new)
+        results = [await reconcile_stream(js, want) for want in desired_streams(config, chosen)]
+        for name, incarnation in chosen.items():
+            await js.add_consumer(name, hub_consumer_config(config.device_id, name, incarnation))
+    except APIError as exc:
+        raise StreamError(f"island streams: {exc.description} (code {exc.err_code})") from exc
     for result in results:
         if result.change != "unchanged":
             log.info(

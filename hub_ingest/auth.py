@@ -28,7 +28,13 @@ from typing import Any
 import nkeys
 
 from edge_agent.island import Monitor
-from edge_agent.naming import command_stream, inbox_prefix, to_device_prefix, to_hub_prefix
+from edge_agent.naming import (
+    command_stream,
+    hub_reply_prefix,
+    inbox_prefix,
+    to_device_prefix,
+    to_hub_prefix,
+)
 from hub_ingest.config import HubConfig
 from hub_ingest.errors import HubIngestError
 from hub_ingest.registry import Device
@@ -76,6 +82,7 @@ def device_permissions(device: Device, hub_domain: str) -> dict[str, Any]:
                 f"{api}.DIRECT.GET.{commands}.>",
                 f"{api}.STREAM.INFO.{commands}",
                 f"{to_hub_prefix(device.device_id)}.>",
+                f"{hub_reply_prefix(device.device_id)}.>",
                 # Flow control of mirrors and replies to mirror set-up carry no data.
                 "$JS.FC.>",
                 "$JSC.R.>",

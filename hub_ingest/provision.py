@@ -2,10 +2,13 @@
 
 - ``COMMANDS`` listens on ``cmd.>``; ``CMD_<id>`` sources each device's slice of it
   (``cmd.<id>.>`` and ``cmd.all.>``), and the device mirrors ``CMD_<id>``.
-- ``EDGE_TELEMETRY_<id>`` and ``EDGE_EVENTS_<id>`` *mirror* each registered device's
-  ``TELEMETRY`` / ``EVENTS`` through ``$JS.<device-domain>.API``: the only hop over the link.
-  A mirror keeps the device's sequence numbers and store times exactly (a source would stamp
-  the hub's arrival time), so the ingest reads ``device_time`` from it.
+- ``EDGE_TELEMETRY_<id>_<incarnation>`` and ``EDGE_EVENTS_<id>_<incarnation>`` *mirror* each
+  incarnation of a device's ``TELEMETRY`` / ``EVENTS`` through ``$JS.<device-domain>.API``,
+  bound to the durable consumer the device made for that incarnation: the only hop over the
+  link. A mirror keeps the device's sequence numbers and store times exactly (a source would
+  stamp the hub's arrival time), so the ingest reads ``device_time`` from it. A re-imaged
+  device starts new incarnations at sequence 1; each gets its own mirror, and the old ones keep
+  what they had (see `hub_ingest.incarnations`, which notices new incarnations).
 - ``FLEET_TELEMETRY`` and ``FLEET_EVENTS`` (then ``_2``, ``_3``… once a shard is full)
   *source* those hub-side mirrors. A subject transform puts the device id in the subject
   (``tele.>`` on device d becomes ``fleet.d.tele.>``) and the ``Nats-Stream-Source`` header
@@ -25,16 +28,23 @@ from nats.js.api import (
     ExternalStream,
     StorageType,
     StreamConfig,
+    StreamConsumerSource,
     StreamSource,
     SubjectTransform,
 )
 
 from edge_agent.errors import StreamError
-from edge_agent.naming import command_filters, command_stream, to_hub_prefix
+from edge_agent.naming import (
+    command_filters,
+    command_stream,
+    fence_key,
+    hub_consumer,
+    hub_deliver_subject,
+)
 from edge_agent.streams import Reconciled, reconcile_stream
 from hub_ingest.config import HubConfig
 from hub_ingest.errors import ProvisionError
-from hub_ingest.registry import Device
+from hub_ingest.registry import Device, Incarnation
 
 log = structlog.get_logger(__name__)
 
@@ -57,9 +67,19 @@ class Aggregate:
         return f"fleet.{device_id}.{self.prefix}"
 
 
-def mirror_name(device_stream: str, device_id: str) -> str:
-    """The hub's mirror of one device stream (``TELEMETRY`` of ``a``: ``EDGE_TELEMETRY_a``)."""
-    return f"EDGE_{device_stream}_{device_id}"
+def mirror_name(device_id: str, incarnation: Incarnation) -> str:
+    """The hub's mirror of one incarnation of a device stream (``EDGE_TELEMETRY_a_<id>``)."""
+    return f"EDGE_{incarnation.stream}_{device_id}_{incarnation.id}"
+
+
+def mirror_metadata(device_id: str, incarnation: Incarnation) -> dict[str, str]:
+    """What a mirror says about its rows; the ingest reads the incarnation from here."""
+    return {
+        **MANAGED_BY,
+        "device-id": device_id,
+        "device-stream": incarnation.stream,
+        "incarnation": incarnation.id,
+    }
 
 
 AGGREGATES = (
@@ -68,25 +88,34 @@ AGGREGATES = (
 )
 
 
-def device_mirror(config: HubConfig, aggregate: Aggregate, device: Device) -> StreamConfig:
-    """The hub's copy of one device stream, with the device's sequences and store times."""
+def device_mirror(config: HubConfig, device: Device, incarnation: Incarnation) -> StreamConfig:
+    """The hub's copy of one incarnation of a device stream, with its sequences and times."""
     return StreamConfig(
-        name=mirror_name(aggregate.device_stream, device.device_id),
+        name=mirror_name(device.device_id, incarnation),
         storage=StorageType.FILE,
         discard=DiscardPolicy.OLD,
         # The ingest reads device times here when it archives a row: keep them as long as
         # the aggregates keep the rows.
         max_bytes=config.aggregates.max_bytes,
         max_age=config.aggregates.max_age,
-        mirror=StreamSource(name=aggregate.device_stream, external=_from_device(device)),
+        mirror=StreamSource(
+            name=incarnation.stream,
+            external=ExternalStream(api=device.api_prefix),
+            # Deliveries on a subject only this device may publish to (see hub_ingest.auth).
+            consumer=StreamConsumerSource(
+                name=hub_consumer(incarnation.id),
+                deliver_subject=hub_deliver_subject(
+                    device.device_id, incarnation.id, incarnation.stream
+                ),
+            ),
+        ),
         allow_direct=True,
-        metadata=MANAGED_BY,
+        metadata=mirror_metadata(device.device_id, incarnation),
     )
 
 
-def _from_device(device: Device) -> ExternalStream:
-    # Deliveries on a prefix only this device may publish to (see hub_ingest.auth).
-    return ExternalStream(api=device.api_prefix, deliver=to_hub_prefix(device.device_id))
+def device_mirrors(config: HubConfig, device: Device) -> list[StreamConfig]:
+    return [device_mirror(config, device, i) for i in device.incarnations]
 
 
 def device_commands(config: HubConfig, device: Device) -> StreamConfig:
@@ -105,15 +134,26 @@ def device_commands(config: HubConfig, device: Device) -> StreamConfig:
             )
         ],
         allow_direct=True,
-        metadata=MANAGED_BY,
+        metadata={
+            **MANAGED_BY,
+            **{fence_key(i.id): str(i.command_fence) for i in device.incarnations},
+        },
     )
 
 
-def device_source(aggregate: Aggregate, device: Device) -> StreamSource:
+def device_sources(aggregate: Aggregate, device: Device) -> list[StreamSource]:
+    return [
+        device_source(aggregate, device, i)
+        for i in device.incarnations
+        if i.stream == aggregate.device_stream
+    ]
+
+
+def device_source(aggregate: Aggregate, device: Device, incarnation: Incarnation) -> StreamSource:
     # From the hub's own mirror, not over the link again: each message crosses the link
     # once, and an aggregate row never gets ahead of the device time the ingest looks up.
     return StreamSource(
-        name=mirror_name(aggregate.device_stream, device.device_id),
+        name=mirror_name(device.device_id, incarnation),
         subject_transforms=[
             SubjectTransform(
                 src=f"{aggregate.prefix}.>", dest=f"{aggregate.subject_prefix(device.device_id)}.>"
@@ -154,7 +194,8 @@ def aggregate_streams(
                     discard=DiscardPolicy.OLD,
                     max_bytes=config.aggregates.max_bytes,
                     max_age=config.aggregates.max_age,
-                    sources=[device_source(aggregate, d) for d in by_shard[shard]] or None,
+                    sources=[s for d in by_shard[shard] for s in device_sources(aggregate, d)]
+                    or None,
                     duplicate_window=120.0,
                     allow_direct=True,
                     metadata=MANAGED_BY,
@@ -193,7 +234,7 @@ async def provision(
     # Shards whose last device was removed still exist and must stop sourcing it.
     shards = {shard for name in await stream_names(js) for shard in _shard_of(name)}
     devices = list(devices)
-    mirrors = [device_mirror(config, a, d) for a in AGGREGATES for d in devices]
+    mirrors = [m for d in devices for m in device_mirrors(config, d)]
     commands = [commands_stream(config), *(device_commands(config, d) for d in devices)]
     results = []
     for want in [*commands, *mirrors, *aggregate_streams(config, devices, shards)]:

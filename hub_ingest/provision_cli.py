@@ -1,24 +1,34 @@
-"""``hub-ingest provision`` and ``hub-ingest render-nats-config``."""
+"""``hub-ingest provision``, ``hub-ingest watch`` and ``hub-ingest render-nats-config``."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
 import sys
 from pathlib import Path
 from typing import Any
 
+from edge_agent.island import Monitor
 from hub_ingest.auth import write_auth
 from hub_ingest.config import HubConfig
 from hub_ingest.connect import hub_connection
+from hub_ingest.incarnations import observe, watch
 from hub_ingest.provision import provision
 from hub_ingest.registry import Registry
+from hub_ingest.report import monitor_url
 from hub_ingest.server import render_server_config
 
 
 def register(sub: Any) -> None:
     p = sub.add_parser("provision", help="create or update COMMANDS and the aggregate streams")
     p.set_defaults(handler=lambda config, args: asyncio.run(_provision(config)))
+    w = sub.add_parser(
+        "watch",
+        help="run until stopped: notice re-imaged devices (new incarnations) and mirror them",
+    )
+    w.add_argument("--log-level", default="info", help="each new incarnation is logged at info")
+    w.set_defaults(handler=lambda config, args: asyncio.run(_watch(config)))
     r = sub.add_parser(
         "render-nats-config",
         help="write the hub's nats-server config (and, if missing, its users file)",
@@ -32,9 +42,22 @@ def register(sub: Any) -> None:
 async def _provision(config: HubConfig) -> int:
     async with hub_connection(config) as nc:
         js = nc.jetstream(domain=config.nats.domain)
-        devices = await (await Registry.open(js)).list()
-        for result in await provision(js, config, devices):
+        registry = await Registry.open(js)
+        for new in await observe(js, nc, config, await registry.list()):
+            print(f"{new.stream} incarnation {new.id} (command fence {new.command_fence})")
+        for result in await provision(js, config, await registry.list()):
             print(f"{result.name:<24} {result.change}")
+    return 0
+
+
+async def _watch(config: HubConfig) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    monitor = Monitor(monitor_url(config))
+    async with hub_connection(config, name="hub-ingest-watch") as nc:
+        await watch(nc.jetstream(domain=config.nats.domain), nc, config, monitor, stop)
     return 0
 
 

@@ -3,13 +3,17 @@
 Each device has a stable *shard*: the index of the aggregate streams that source it. A shard
 is assigned once, at ``device add``, and never moves, because moving a source to another
 aggregate stream would copy the device's whole stream a second time.
+
+Each device also has the *incarnations* of its outbound streams the hub has seen, oldest
+first (`hub_ingest.incarnations` records them): the hub keeps one mirror per incarnation.
 """
 
 from __future__ import annotations
 
 import json
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
 
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, StorageType
@@ -24,6 +28,21 @@ from nats.js.kv import KeyValue
 from edge_agent.health import utc_now_iso
 from hub_ingest.errors import RegistryError
 
+_WRITE_ATTEMPTS = 10  # optimistic writes that lost a race are retried this often
+
+
+@dataclass(frozen=True, slots=True)
+class Incarnation:
+    """One life of a device stream: from a (re)created store until the next."""
+
+    stream: str  # the device stream: TELEMETRY or EVENTS
+    id: str  # the stream's ``incarnation`` metadata
+    seen_at: str  # when the hub first saw it (hub clock)
+    # Commands stored in CMD_<id> up to this sequence predate the incarnation: a re-imaged
+    # device answers them without running them (0 for the device's first incarnation).
+    command_fence: int
+
+
 BUCKET = "FLEET_DEVICES"
 
 
@@ -34,10 +53,24 @@ class Device:
     shard: int
     added_at: str
     nkey: str  # the public key the device's leaf connection authenticates with
+    incarnations: tuple[Incarnation, ...] = field(default=())
 
     @property
     def api_prefix(self) -> str:
         return f"$JS.{self.domain}.API"
+
+    def current(self, stream: str) -> Incarnation | None:
+        """The newest incarnation of the device stream `stream`, if the hub has seen one."""
+        return next((i for i in reversed(self.incarnations) if i.stream == stream), None)
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self)).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> Device:
+        fields: dict[str, Any] = json.loads(data)
+        seen = fields.pop("incarnations", [])
+        return cls(**fields, incarnations=tuple(Incarnation(**i) for i in seen))
 
 
 class Registry:
@@ -68,7 +101,7 @@ class Registry:
         except KeyNotFoundError:
             raise RegistryError(f"device {device_id!r} is not registered") from None
         assert entry.value is not None
-        return Device(**json.loads(entry.value))
+        return Device.from_json(entry.value)
 
     async def add(self, device_id: str, domain: str, max_per_shard: int, nkey: str) -> Device:
         existing = await self.list()
@@ -84,10 +117,32 @@ class Registry:
         shard = next(i for i in range(len(existing) + 1) if load[i] < max_per_shard)
         device = Device(device_id, domain, shard, utc_now_iso(), nkey)
         try:
-            await self._kv.create(device_id, json.dumps(asdict(device)).encode())
+            await self._kv.create(device_id, device.to_json())
         except KeyWrongLastSequenceError:
             raise RegistryError(f"device {device_id!r} is already registered") from None
         return device
+
+    async def add_incarnation(self, device_id: str, incarnation: Incarnation) -> Device:
+        """Record `incarnation` (once: a second call with the same id changes nothing)."""
+        for _ in range(_WRITE_ATTEMPTS):
+            try:
+                entry = await self._kv.get(device_id)
+            except KeyNotFoundError:
+                raise RegistryError(f"device {device_id!r} is not registered") from None
+            assert entry.value is not None and entry.revision is not None
+            device = Device.from_json(entry.value)
+            if any(
+                (i.stream, i.id) == (incarnation.stream, incarnation.id)
+                for i in device.incarnations
+            ):
+                return device
+            device = replace(device, incarnations=(*device.incarnations, incarnation))
+            try:
+                await self._kv.update(device_id, device.to_json(), last=entry.revision)
+            except KeyWrongLastSequenceError:
+                continue  # another writer came first: read again
+            return device
+        raise RegistryError(f"device {device_id!r}: registry kept changing under the update")
 
     async def remove(self, device_id: str) -> Device:
         device = await self.get(device_id)

@@ -37,7 +37,7 @@ from edge_agent.units import format_time
 from hub_ingest.config import HubConfig
 from hub_ingest.errors import ReportError
 from hub_ingest.provision import AGGREGATES, COMMANDS, mirror_name
-from hub_ingest.registry import Device
+from hub_ingest.registry import Device, Incarnation
 
 SCHEMA = "hub-ingest.report/1"
 EVENTS = next(a for a in AGGREGATES if a.device_stream == "EVENTS")
@@ -89,6 +89,21 @@ class DeviceReport:
     commands: CommandCounts
     last_error: CommandError | None
     flags: tuple[str, ...]  # "never_seen" or "silent"
+    # Every incarnation of the device's streams the hub has seen, oldest first: a new one
+    # means the device was re-imaged (or its store replaced) at about `seen_at`.
+    incarnations: tuple[Incarnation, ...] = ()
+
+    @property
+    def incarnation(self) -> str | None:
+        """The current incarnation of the device's ``EVENTS`` (its results and heartbeats)."""
+        current = next((i for i in reversed(self.incarnations) if i.stream == "EVENTS"), None)
+        return current.id if current else None
+
+    @property
+    def incarnation_changed_at(self) -> str | None:
+        """When the hub saw the device's current incarnation replace an earlier one."""
+        events = [i for i in self.incarnations if i.stream == "EVENTS"]
+        return events[-1].seen_at if len(events) > 1 else None
 
     @property
     def flagged(self) -> bool:
@@ -145,7 +160,15 @@ class FleetReport:
             "silent_after_s": self.silent_after_s,
             "flagged": self.flagged,
             "totals": asdict(self.totals),
-            "devices": [{**asdict(d), "flagged": d.flagged} for d in self.devices],
+            "devices": [
+                {
+                    **asdict(d),
+                    "flagged": d.flagged,
+                    "incarnation": d.incarnation,
+                    "incarnation_changed_at": d.incarnation_changed_at,
+                }
+                for d in self.devices
+            ],
             "warnings": list(self.warnings),
         }
 
@@ -340,7 +363,12 @@ def _source_state(
     """How far `name` is behind the device: the hub's mirror of the device stream (the hop
     over the link) plus the aggregate's local source of that mirror."""
     aggregate = next(a for a in AGGREGATES if name.startswith(a.base_name))
-    wanted = mirror_name(aggregate.device_stream, device.device_id)
+    current = device.current(aggregate.device_stream)
+    if current is None:
+        return SourceState(
+            name, aggregate.device_stream, False, None, None, "no incarnation seen yet"
+        )
+    wanted = mirror_name(device.device_id, current)
     link = (mirror or {}).get("mirror") or {}
     for src in (info or {}).get("sources") or []:
         if src.get("name") == wanted:
@@ -358,6 +386,13 @@ def _source_state(
                 error=error.get("description") if isinstance(error, dict) else error,
             )
     return SourceState(name, aggregate.device_stream, False, None, None, "not sourced")
+
+
+async def _mirror_info(api: HubApi, device: Device, device_stream: str) -> dict[str, Any] | None:
+    current = device.current(device_stream)
+    return (
+        None if current is None else await api.stream_info(mirror_name(device.device_id, current))
+    )
 
 
 def _flags(last_seen_s: float | None, silent_after: float) -> tuple[str, ...]:
@@ -408,7 +443,7 @@ async def collect_report(
             [
                 _source_state(
                     infos[a.stream_name(device.shard)],
-                    await api.stream_info(mirror_name(a.device_stream, device.device_id)),
+                    await _mirror_info(api, device, a.device_stream),
                     a.stream_name(device.shard),
                     device,
                 )
@@ -441,6 +476,7 @@ async def collect_report(
                 commands=counts,
                 last_error=last_error,
                 flags=_flags(last_seen, silent_after),
+                incarnations=device.incarnations,
             )
         )
     return FleetReport(format_time(now), silent_after, tuple(reports), tuple(warnings))

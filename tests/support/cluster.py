@@ -30,6 +30,7 @@ from edge_agent.streams import reconcile_stream
 from hub_ingest.auth import write_auth
 from hub_ingest.config import HubConfig, parse_hub_config
 from hub_ingest.enrol import enrol
+from hub_ingest.incarnations import observe, watch
 from hub_ingest.provision import device_commands, provision
 from hub_ingest.registry import Registry
 from hub_ingest.server import render_server_config
@@ -110,6 +111,23 @@ class Hub:
     leaf_port: int
     root: Path
     devices: list[Device] = field(default_factory=list)
+    stop_watch: asyncio.Event = field(default_factory=asyncio.Event)
+    watcher: asyncio.Task[None] | None = None
+
+    def start_watch(self) -> None:
+        """Run `hub-ingest watch`'s loop, as the hub's service does: new incarnations are
+        mirrored within a second of the device's link coming up."""
+        monitor = Monitor(f"http://{self.config.server.monitor_listen}")
+        self.stop_watch.clear()
+        self.watcher = asyncio.create_task(
+            watch(self.js, self.nc, self.config, monitor, self.stop_watch, interval=0.2)
+        )
+
+    async def stop_watching(self) -> None:
+        self.stop_watch.set()
+        if self.watcher is not None:
+            await asyncio.wait_for(self.watcher, 30)
+            self.watcher = None
 
     @property
     def url(self) -> str:
@@ -136,6 +154,7 @@ class Hub:
 
     async def provision(self) -> None:
         registry = await Registry.open(self.js)
+        await observe(self.js, self.nc, self.config, await registry.list())
         await provision(self.js, self.config, await registry.list())
 
     async def restart(self) -> None:
@@ -193,6 +212,7 @@ class Hub:
         return await stream_messages(self.js, stream)
 
     async def close(self) -> None:
+        await self.stop_watching()
         for device in self.devices:
             await device.stop()
             await device.proxy.close()
@@ -263,7 +283,7 @@ class Device:
         await eventually(probe, timeout=timeout, what=f"{self.id} link {'up' if up else 'down'}")
 
 
-async def start_hub(root: Path, **aggregates: Any) -> Hub:
+async def start_hub(root: Path, *, watching: bool = True, **aggregates: Any) -> Hub:
     leaf_port = free_port()
     client_port, monitor_port = free_port(), free_port()
     config = parse_hub_config(
@@ -294,7 +314,10 @@ async def start_hub(root: Path, **aggregates: Any) -> Hub:
     )
     js = nc.jetstream(domain=config.nats.domain)
     await provision(js, config, [])
-    return Hub(config, server, nc, js, leaf_port, root)
+    hub = Hub(config, server, nc, js, leaf_port, root)
+    if watching:
+        hub.start_watch()
+    return hub
 
 
 def run_cli(module: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:

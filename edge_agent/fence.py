@@ -1,0 +1,97 @@
+"""The command fence: which commands a re-imaged agent answers without running them.
+
+At-most-once rests on the ledger. A device that is re-imaged (or whose agent state is lost)
+starts with an empty ledger, while its command mirror brings back every command the hub
+still keeps, some of which the old incarnation ran. So an agent with an empty ledger runs no
+command until it knows its *fence*: commands at or below it in ``CMD_<id>`` are answered
+``rejected`` ("issued before this incarnation, not run") and never run.
+
+- The hub sets the fence of each incarnation when it first sees it (`hub_ingest.incarnations`):
+  0 for a device's first incarnation (a new device runs what was queued for it), else the
+  last ``CMD_<id>`` sequence at that moment. It writes it into ``CMD_<id>``'s metadata
+  (``fence.<incarnation>``), which the agent reads while the link is up.
+- If the island's store survived (only the agent state was lost), everything already in the
+  island's command mirror may have run too: the fence is at least that mirror's last sequence.
+- A ledger with history needs no fence (0): it knows what ran.
+
+Once known, the fence is kept in the agent's SQLite file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import nats.errors
+import structlog
+from nats.js import JetStreamContext
+from nats.js.errors import APIError
+
+from edge_agent.health import LinkTracker
+from edge_agent.naming import command_stream, fence_key
+from edge_agent.statedb import StateDB
+from edge_agent.streams import COMMANDS, EVENTS, incarnations
+
+log = structlog.get_logger(__name__)
+
+META_KEY = "command_fence"
+POLL_S = 1.0  # while the link is up and the hub has not set the fence yet
+
+
+class CommandFence:
+    def __init__(self, db: StateDB, device_id: str) -> None:
+        self._db = db
+        self._origin = command_stream(device_id)
+        self._value: int | None = None
+        self.known = asyncio.Event()
+
+    @property
+    def value(self) -> int:
+        assert self._value is not None, "wait for `known` first"
+        return self._value
+
+    async def load(self) -> bool:
+        """Take the stored fence, or 0 for a ledger with history; False if it must be learned."""
+        rows = await self._db.fetchall("SELECT value FROM meta WHERE key = ?", (META_KEY,))
+        if rows:
+            self._set(int(rows[0][0]))
+        elif await self._db.fetchall("SELECT 1 FROM ledger LIMIT 1"):
+            await self._store(0)
+        return self.known.is_set()
+
+    async def learn(
+        self,
+        island: JetStreamContext,
+        hub: JetStreamContext,
+        link: LinkTracker,
+        island_was_fresh: bool,
+    ) -> None:
+        """Read this incarnation's fence from the hub (waiting for the link), and keep it."""
+        local = 0 if island_was_fresh else await _last_seq(island, COMMANDS)
+        incarnation = (await incarnations(island))[EVENTS]
+        log.info("command_fence_awaited", incarnation=incarnation, local_floor=local)
+        while True:
+            await link.is_up.wait()
+            try:
+                metadata = (await hub.stream_info(self._origin)).config.metadata or {}
+            except (nats.errors.Error, APIError, TimeoutError) as exc:
+                log.debug("command_fence_unreadable", error=repr(exc))
+                metadata = {}
+            hub_fence = metadata.get(fence_key(incarnation)) if incarnation else None
+            if hub_fence is not None:
+                await self._store(max(int(hub_fence), local))
+                return
+            await asyncio.sleep(POLL_S)
+
+    async def _store(self, value: int) -> None:
+        async with self._db.transaction() as conn:
+            await conn.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (META_KEY, str(value)))
+        log.info("command_fence_set", fence=value)
+        self._set(value)
+
+    def _set(self, value: int) -> None:
+        self._value = value
+        self.known.set()
+
+
+async def _last_seq(js: JetStreamContext, stream: str) -> int:
+    return (await js.stream_info(stream)).state.last_seq

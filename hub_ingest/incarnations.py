@@ -1,0 +1,188 @@
+"""Device incarnations: a re-imaged device is noticed, and mirrored afresh, by itself.
+
+A device that is re-imaged (same id and key, empty store) starts its streams again at
+sequence 1 with new incarnation ids (`edge_agent.streams`). A stock mirror would drop every
+new message whose sequence is not above its last one, silently. Here each incarnation has its
+own hub mirror, bound to the durable consumer the device made for that incarnation: the old
+mirror keeps what it had (its consumer died with the old store, so it can take nothing new)
+and the new one collects the new incarnation from sequence 1.
+
+`observe` asks a device's island for the incarnation of each outbound stream (a JetStream
+``STREAM.INFO`` through ``$JS.<device-domain>.API``) and, for one the registry does not have
+yet, records it, with its *command fence*, and provisions its mirror and sources. `watch`
+(``hub-ingest watch``, a hub service) calls `observe` for every device whose leaf link came
+up, as seen on ``/leafz``, and for every linked device now and then.
+
+The command fence is the last ``CMD_<id>`` sequence when the hub first saw a device's second or
+later incarnation (0 for its first): a re-imaged agent answers the commands up to it
+``rejected`` without running them, since the old incarnation may have run them already. The
+hub writes it into ``CMD_<id>``'s metadata, which the agent may read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import secrets
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import nats.errors
+import structlog
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+
+from edge_agent.health import utc_now_iso
+from edge_agent.island import Monitor
+from edge_agent.naming import command_stream, hub_reply_prefix
+from edge_agent.streams import INCARNATION, OUTBOUND
+from hub_ingest.config import HubConfig
+from hub_ingest.provision import provision
+from hub_ingest.registry import Device, Incarnation, Registry
+
+log = structlog.get_logger(__name__)
+
+ASK_TIMEOUT = 2.0  # one STREAM.INFO over the leaf link
+RECHECK_S = 30.0  # a linked device is asked again this often, in case a reconnect was missed
+
+
+async def device_incarnations(nc: Client, device: Device) -> dict[str, str]:
+    """Incarnation id of each outbound stream on the device's island; {} when unreachable."""
+    found: dict[str, str] = {}
+    for stream in OUTBOUND:
+        try:
+            info = await _ask(nc, device, f"{device.api_prefix}.STREAM.INFO.{stream}")
+        except (nats.errors.Error, TimeoutError, ValueError) as exc:
+            log.debug(
+                "incarnation_unknown", device_id=device.device_id, stream=stream, error=repr(exc)
+            )
+            continue
+        metadata = (info.get("config") or {}).get("metadata") or {}
+        if isinstance(metadata.get(INCARNATION), str):
+            found[stream] = metadata[INCARNATION]
+    return found
+
+
+async def _ask(nc: Client, device: Device, subject: str) -> dict[str, Any]:
+    """A request to the device's island, answered on a subject only that device may use
+    (a leaf connection may not answer on the usual inboxes, see `hub_ingest.auth`)."""
+    inbox = f"{hub_reply_prefix(device.device_id)}.{secrets.token_hex(8)}"
+    sub = await nc.subscribe(inbox, max_msgs=1)
+    try:
+        await nc.publish(subject, b"", reply=inbox)
+        reply = await sub.next_msg(timeout=ASK_TIMEOUT)
+    finally:
+        with contextlib.suppress(nats.errors.Error):
+            await sub.unsubscribe()
+    answer = json.loads(reply.data)
+    if not isinstance(answer, dict):
+        raise ValueError(f"not a JSON object: {reply.data[:80]!r}")
+    return answer
+
+
+async def _command_fence(js: JetStreamContext, device: Device) -> int:
+    if not device.incarnations:
+        return 0  # a first install runs what was queued for it
+    return (await js.stream_info(command_stream(device.device_id))).state.last_seq
+
+
+async def record(
+    js: JetStreamContext,
+    config: HubConfig,
+    registry: Registry,
+    device: Device,
+    seen: Mapping[str, str],
+) -> list[Incarnation]:
+    """Record and provision the incarnations in `seen` the hub does not know; the new ones."""
+    new = []
+    for stream, incarnation_id in sorted(seen.items()):
+        if _known(device, stream, incarnation_id):
+            continue
+        previous = device.current(stream)
+        incarnation = Incarnation(
+            stream, incarnation_id, utc_now_iso(), await _command_fence(js, device)
+        )
+        device = await registry.add_incarnation(device.device_id, incarnation)
+        new.append(incarnation)
+        log.info(
+            "incarnation_changed" if previous else "incarnation_first_seen",
+            device_id=device.device_id,
+            stream=stream,
+            incarnation=incarnation_id,
+            previous=previous.id if previous else None,
+            command_fence=incarnation.command_fence,
+        )
+    if new:
+        await provision(js, config, await registry.list())
+    return new
+
+
+async def observe(
+    js: JetStreamContext, nc: Client, config: HubConfig, devices: list[Device]
+) -> list[Incarnation]:
+    """Ask every device (those not linked now answer nothing) and `record` what is new."""
+    registry = await Registry.open(js)
+    found = await asyncio.gather(*(device_incarnations(nc, d) for d in devices))
+    new: list[Incarnation] = []
+    for device, seen in zip(devices, found, strict=True):
+        if any(not _known(device, s, i) for s, i in seen.items()):
+            current = await registry.get(device.device_id)
+            new += await record(js, config, registry, current, seen)
+    return new
+
+
+def _known(device: Device, stream: str, incarnation_id: str) -> bool:
+    return any((i.stream, i.id) == (stream, incarnation_id) for i in device.incarnations)
+
+
+def _leaf_ids(leafz: Mapping[str, object]) -> dict[str, int]:
+    leafs = leafz.get("leafs")
+    if not isinstance(leafs, list):
+        return {}
+    return {
+        str(leaf.get("name")): int(leaf.get("id", 0)) for leaf in leafs if isinstance(leaf, dict)
+    }
+
+
+def _leaf_of(device: Device, leaves: Mapping[str, int]) -> int | None:
+    for name in (f"edge-{device.device_id}", device.domain):
+        if name in leaves:
+            return leaves[name]
+    return None
+
+
+async def watch(
+    js: JetStreamContext,
+    nc: Client,
+    config: HubConfig,
+    monitor: Monitor,
+    stop: asyncio.Event,
+    *,
+    interval: float = 0.5,
+) -> None:
+    """Observe each device whose leaf connection is new, until `stop` is set."""
+    registry = await Registry.open(js)
+    # device → (its leaf connection id, when both its streams last answered)
+    checked: dict[str, tuple[int, float]] = {}
+    log.info("incarnation_watch_started")
+    while not stop.is_set():
+        try:
+            leaves = _leaf_ids(await monitor.get("/leafz"))
+            for device in await registry.list():
+                leaf = _leaf_of(device, leaves)
+                last = checked.get(device.device_id)
+                now = time.monotonic()
+                if leaf is None or (last and last[0] == leaf and now - last[1] < RECHECK_S):
+                    continue
+                seen = await device_incarnations(nc, device)
+                await record(js, config, registry, device, seen)
+                # Right after the link comes up the agent may not have made its streams
+                # yet: ask again at the next round until both have answered.
+                if len(seen) == len(OUTBOUND):
+                    checked[device.device_id] = (leaf, now)
+        except Exception as exc:  # a hub restart or a slow device: log, and try again
+            log.warning("incarnation_watch_failed", error=repr(exc))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), interval)
