@@ -1,10 +1,12 @@
 """``hub-ingest audit``: is the archive complete, and free of duplicates?
 
-From the archive alone, per device and aggregate stream: rows, first and last ``device_seq``,
-missing ranges and duplicates. A missing range is *explained* when the device itself reported,
-in a heartbeat that reached the archive, that its stream's budget or max age removed those
-sequences (``streams.<name>.first_seq`` past the range, with ``dropped`` > 0). Against the hub:
-how many messages of each aggregate stream are not archived yet (in flight, not an error).
+From the archive alone, per device, incarnation and aggregate stream: rows, first and last
+``device_seq``, missing ranges and duplicates (a re-imaged device starts a new incarnation at
+sequence 1, so completeness is per incarnation), and every incarnation change. A missing
+range is *explained* when the device itself reported, in a heartbeat that reached the
+archive, that its stream's budget or max age removed those sequences
+(``streams.<name>.first_seq`` past the range, with ``dropped`` > 0). Against the hub: how
+many messages of each aggregate stream are not archived yet (in flight, not an error).
 
 Only files committed in the sink's ``_spark_metadata`` log are read: a batch killed half way
 leaves part files (sometimes 0 bytes) that no reader may count.
@@ -12,6 +14,7 @@ leaves part files (sometimes 0 bytes) that no reader may count.
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -27,7 +30,7 @@ from nats.js import JetStreamContext
 from hub_ingest.provision import AGGREGATES
 
 METADATA_DIR = "_spark_metadata"
-_KEY_COLUMNS = ["device_id", "hub_stream", "device_seq"]
+_KEY_COLUMNS = ["device_id", "incarnation", "hub_stream", "device_seq", "hub_seq"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +43,7 @@ class Gap:
 @dataclass(frozen=True, slots=True)
 class DeviceAudit:
     device_id: str
+    incarnation: str | None  # None: rows archived before incarnations existed
     hub_stream: str
     rows: int
     first_seq: int
@@ -61,9 +65,22 @@ class StreamBacklog:
 
 
 @dataclass(frozen=True, slots=True)
+class IncarnationChange:
+    """A device's stream started again (re-image, new store): `incarnation` follows
+    `previous` in the archive."""
+
+    device_id: str
+    hub_stream: str
+    previous: str | None
+    incarnation: str | None
+    first_hub_seq: int  # the new incarnation's first row in `hub_stream`
+
+
+@dataclass(frozen=True, slots=True)
 class AuditReport:
     devices: tuple[DeviceAudit, ...]
     streams: tuple[StreamBacklog, ...] = ()
+    incarnation_changes: tuple[IncarnationChange, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -74,6 +91,7 @@ class AuditReport:
             "ok": self.ok,
             "devices": [{**asdict(d), "ok": d.ok} for d in self.devices],
             "streams": [asdict(s) for s in self.streams],
+            "incarnation_changes": [asdict(c) for c in self.incarnation_changes],
         }
 
 
@@ -124,19 +142,22 @@ def audit_archive(archive: Path) -> AuditReport:
     if table is None or table.num_rows == 0:
         return AuditReport(())
     dropped = _reported_drops(archive)
-    groups = table.group_by(["device_id", "hub_stream"]).aggregate([("device_seq", "list")])
+    keys = ["device_id", "incarnation", "hub_stream"]
+    groups = table.group_by(keys).aggregate([("device_seq", "list"), ("hub_seq", "min")])
     devices = []
     for group in groups.to_pylist():
-        device_id, hub_stream = group["device_id"], group["hub_stream"]
+        device_id, incarnation, hub_stream = (group[k] for k in keys)
         seqs = group["device_seq_list"]
         unique = np.unique(np.asarray(seqs, dtype=np.int64))  # sorted
         steps = np.flatnonzero(np.diff(unique) > 1)
         ranges = [(1, int(unique[0]) - 1)] if unique[0] > 1 else []
         ranges += [(int(unique[j]) + 1, int(unique[j + 1]) - 1) for j in steps]
-        below = dropped.get((device_id, _device_stream(hub_stream)), 0)
+        stream = _device_stream(hub_stream)
+        below = dropped.get((device_id, stream, incarnation), 0)
         devices.append(
             DeviceAudit(
                 device_id=device_id,
+                incarnation=incarnation,
                 hub_stream=hub_stream,
                 rows=len(seqs),
                 first_seq=int(unique[0]),
@@ -145,7 +166,31 @@ def audit_archive(archive: Path) -> AuditReport:
                 missing=tuple(Gap(a, b, b < below) for a, b in ranges),
             )
         )
-    return AuditReport(tuple(sorted(devices, key=lambda d: (d.device_id, d.hub_stream))))
+    first_seen = {tuple(g[k] for k in keys): g["hub_seq_min"] for g in groups.to_pylist()}
+    devices.sort(
+        key=lambda d: (
+            d.device_id,
+            d.hub_stream,
+            first_seen[d.device_id, d.incarnation, d.hub_stream],
+        )
+    )
+    return AuditReport(tuple(devices), incarnation_changes=_changes(devices, first_seen))
+
+
+def _changes(
+    devices: list[DeviceAudit], first_seen: dict[tuple[Any, ...], int]
+) -> tuple[IncarnationChange, ...]:
+    """Consecutive incarnations of each device in each aggregate (`devices` in that order)."""
+    changes = []
+    for before, after in itertools.pairwise(devices):
+        if (before.device_id, before.hub_stream) == (after.device_id, after.hub_stream):
+            first = first_seen[after.device_id, after.incarnation, after.hub_stream]
+            changes.append(
+                IncarnationChange(
+                    after.device_id, after.hub_stream, before.incarnation, after.incarnation, first
+                )
+            )
+    return tuple(changes)
 
 
 def _device_stream(hub_stream: str) -> str:
@@ -155,14 +200,15 @@ def _device_stream(hub_stream: str) -> str:
     return hub_stream
 
 
-def _reported_drops(archive: Path) -> dict[tuple[str, str], int]:
-    """(device, stream) → the first sequence the device still had after dropping older ones."""
+def _reported_drops(archive: Path) -> dict[tuple[str, str, str | None], int]:
+    """(device, stream, incarnation) → the first sequence the device still had after dropping
+    older ones."""
     beats = read_archive(
         archive,
-        ["device_id", "payload"],
+        ["device_id", "incarnation", "payload"],
         pc.match_substring_regex(ds.field("subject"), r"^evt\.[^.]+\.heartbeat$"),
     )
-    out: dict[tuple[str, str], int] = {}
+    out: dict[tuple[str, str, str | None], int] = {}
     for row in beats.to_pylist() if beats is not None else []:
         try:
             streams = json.loads(row["payload"])["streams"]
@@ -170,7 +216,9 @@ def _reported_drops(archive: Path) -> dict[tuple[str, str], int]:
             continue
         for name, state in streams.items() if isinstance(streams, dict) else ():
             if isinstance(state, dict) and state.get("dropped", 0) > 0:
-                key = (row["device_id"], name)
+                # The stream's own incarnation; a heartbeat from before they were reported
+                # comes from the same store as the stream it describes.
+                key = (row["device_id"], name, state.get("incarnation") or row["incarnation"])
                 out[key] = max(out.get(key, 0), int(state.get("first_seq", 0)))
     return out
 

@@ -82,8 +82,8 @@ async def _ask(nc: Client, device: Device, subject: str) -> dict[str, Any]:
     return answer
 
 
-async def _command_fence(js: JetStreamContext, device: Device) -> int:
-    if not device.incarnations:
+async def _command_fence(js: JetStreamContext, device: Device, stream: str) -> int:
+    if device.current(stream) is None:
         return 0  # a first install runs what was queued for it
     return (await js.stream_info(command_stream(device.device_id))).state.last_seq
 
@@ -102,7 +102,7 @@ async def record(
             continue
         previous = device.current(stream)
         incarnation = Incarnation(
-            stream, incarnation_id, utc_now_iso(), await _command_fence(js, device)
+            stream, incarnation_id, utc_now_iso(), await _command_fence(js, device, stream)
         )
         device = await registry.add_incarnation(device.device_id, incarnation)
         new.append(incarnation)

@@ -45,7 +45,7 @@ async def _audit(config: HubConfig, args: argparse.Namespace) -> int:
     async with hub_connection(config, name="hub-ingest-audit") as nc:
         js = nc.jetstream(domain=config.nats.domain)
         streams = await backlog(js, config.ingest.archive, await aggregate_stream_names(js))
-    report = AuditReport(report.devices, tuple(streams))
+    report = AuditReport(report.devices, tuple(streams), report.incarnation_changes)
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:
@@ -54,15 +54,20 @@ async def _audit(config: HubConfig, args: argparse.Namespace) -> int:
 
 
 def _print(report: AuditReport) -> None:
-    head = ("device", "stream", "rows", "first", "last", "dups")
-    print("{:<16} {:<20} {:>9} {:>9} {:>9} {:>5}  missing".format(*head))
+    head = ("device", "incarnation", "stream", "rows", "first", "last", "dups")
+    print("{:<16} {:<12} {:<16} {:>9} {:>9} {:>9} {:>5}  missing".format(*head))
     for d in report.devices:
         gaps = ", ".join(
             f"{g.first}..{g.last}{'' if g.explained else ' (unexplained)'}" for g in d.missing
         )
         print(
-            f"{d.device_id:<16} {d.hub_stream:<20} {d.rows:>9} {d.first_seq:>9} {d.last_seq:>9}"
-            f" {d.duplicates:>5}  {gaps or '-'}"
+            f"{d.device_id:<16} {d.incarnation or '-':<12} {d.hub_stream:<16} {d.rows:>9}"
+            f" {d.first_seq:>9} {d.last_seq:>9} {d.duplicates:>5}  {gaps or '-'}"
+        )
+    for c in report.incarnation_changes:
+        print(
+            f"{c.device_id}: new incarnation {c.incarnation} after {c.previous} in {c.hub_stream}"
+            f" (from hub seq {c.first_hub_seq}; re-imaged or a new store)"
         )
     for s in report.streams:
         print(f"{s.stream}: {s.unarchived} messages not archived yet (hub seq {s.last_seq})")

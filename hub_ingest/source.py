@@ -55,12 +55,14 @@ log = structlog.get_logger(__name__)
 
 FORMAT = "jetstream"
 SCHEMA = (
-    "device_id STRING, subject STRING, device_seq BIGINT, hub_stream STRING, hub_seq BIGINT, "
-    "device_time TIMESTAMP, hub_time TIMESTAMP, headers MAP<STRING, STRING>, payload BINARY"
+    "device_id STRING, incarnation STRING, subject STRING, device_seq BIGINT, "
+    "hub_stream STRING, hub_seq BIGINT, device_time TIMESTAMP, hub_time TIMESTAMP, "
+    "headers MAP<STRING, STRING>, payload BINARY"
 )
 ARROW_SCHEMA = pa.schema(
     [
         ("device_id", pa.string()),
+        ("incarnation", pa.string()),
         ("subject", pa.string()),
         ("device_seq", pa.int64()),
         ("hub_stream", pa.string()),
@@ -536,12 +538,14 @@ async def _read_range(options: SourceOptions, part: SeqRange) -> pa.RecordBatch:
         headers = _headers(pa.array(got.headers, pa.binary()))
         origin = _origin(headers)
         device_time = await _device_times(nc, options.api, origin)
+        incarnation = await _incarnations(nc, options.api, origin)
     finally:
         await nc.close()
     hub = _ack_stamps(got.acks)
     device_id, subject = _attribution(_text(pa.array(got.subjects, pa.binary())), origin.subject)
     columns = {
         "device_id": device_id,
+        "incarnation": incarnation,
         "subject": subject,
         "device_seq": origin.seq,
         "hub_stream": pa.array([part.stream] * len(got.acks), pa.string()),
@@ -610,6 +614,23 @@ async def _device_times(nc: _FrameClient, api: str, origin: _Origin) -> pa.Array
         found = pc.take(got.time, pc.index_in(origin.seq, value_set=got.seq))
         times = pc.if_else(rows, found, times)
     return times
+
+
+async def _incarnations(nc: _FrameClient, api: str, origin: _Origin) -> pa.Array:
+    """Each row's device incarnation, from the metadata of the hub mirror it came from (one
+    mirror per incarnation, see `hub_ingest.provision`); null for a mirror without one."""
+    names = pc.unique(origin.mirror.drop_null()).to_pylist()
+    ids = []
+    for mirror in names:
+        reply = await nc.request(f"{api}.STREAM.INFO.{mirror}", b"", timeout=10)
+        info = json.loads(reply.data)
+        if "error" in info:
+            raise IngestError(f"stream info {mirror}: {info['error'].get('description')}")
+        ids.append(((info.get("config") or {}).get("metadata") or {}).get("incarnation"))
+    return pc.take(
+        pa.array(ids, pa.string()),
+        pc.index_in(origin.mirror, value_set=pa.array(names, pa.string())),
+    )
 
 
 def _attribution(hub_subject: pa.Array, published: pa.Array) -> tuple[pa.Array, pa.Array]:

@@ -15,12 +15,17 @@ from tests.support.hub_config import write_hub_config
 
 
 def _rows(
-    device_id: str, stream: str, seqs: list[int], payloads: list[bytes] | None = None
+    device_id: str,
+    stream: str,
+    seqs: list[int],
+    payloads: list[bytes] | None = None,
+    incarnation: str = "i1",
 ) -> pa.Table:
     subject = "evt.x.heartbeat" if stream == "FLEET_EVENTS" else "tele.temp"
     return pa.table(
         {
             "device_id": [device_id] * len(seqs),
+            "incarnation": [incarnation] * len(seqs),
             "subject": [subject.replace("x", device_id)] * len(seqs),
             "device_seq": pa.array(seqs, pa.int64()),
             "hub_stream": [stream] * len(seqs),
@@ -122,3 +127,25 @@ async def test_audit_cli_exit_codes_and_backlog(hub: Hub, tmp_path: Path) -> Non
     dirty = run_cli("hub_ingest", "audit", "--config", str(config))
     assert dirty.returncode == 1
     assert "NOT ok" in dirty.stdout
+
+
+def test_audit_checks_each_incarnation_from_its_own_sequence_1(tmp_path: Path) -> None:
+    """A re-imaged device's new incarnation restarts at 1: each one is complete on its own,
+    the change is reported, and a gap in the new incarnation is still caught."""
+    old = _rows("a", "FLEET_TELEMETRY", list(range(1, 21)), incarnation="old")
+    new = _rows("a", "FLEET_TELEMETRY", list(range(1, 26)), incarnation="new")
+    new = new.set_column(5, "hub_seq", pa.array(range(21, 46), pa.int64()))
+    gappy = _rows("b", "FLEET_TELEMETRY", [1, 2, 4], incarnation="b2")
+    _write_archive(tmp_path, new, old, gappy)
+
+    report = audit_archive(tmp_path)
+
+    by_key = {(d.device_id, d.incarnation): d for d in report.devices}
+    assert (by_key["a", "old"].rows, by_key["a", "old"].last_seq) == (20, 20)
+    assert (by_key["a", "new"].rows, by_key["a", "new"].last_seq) == (25, 25)
+    assert by_key["a", "old"].ok and by_key["a", "new"].ok
+    assert by_key["b", "b2"].missing == (Gap(3, 3, explained=False),)
+    (change,) = report.incarnation_changes
+    assert (change.device_id, change.previous, change.incarnation) == ("a", "old", "new")
+    assert change.first_hub_seq == 21
+    assert not report.ok

@@ -13,7 +13,7 @@ import pytest
 from hub_ingest.auth import ensure_operator_key, public_key
 from hub_ingest.errors import RegistryError
 from hub_ingest.provision import provision
-from hub_ingest.registry import Registry
+from hub_ingest.registry import Incarnation, Registry
 from tests.support.cluster import NATS_SERVER, Hub, run_cli, start_hub
 from tests.support.hub_config import write_hub_config
 
@@ -24,9 +24,19 @@ async def _sources(hub: Hub, stream: str) -> list[dict[str, object]]:
     return sources
 
 
+async def _seen(hub: Hub, device_id: str, incarnation: str = "i1") -> None:
+    """Record what `hub-ingest watch` would on the device's first contact, and provision."""
+    registry = await Registry.open(hub.js)
+    for stream in ("TELEMETRY", "EVENTS"):
+        seen = Incarnation(stream, incarnation, "2026-01-01T00:00:00Z", 0)
+        await registry.add_incarnation(device_id, seen)
+    await provision(hub.js, hub.config, await registry.list())
+
+
 async def test_provision_is_idempotent_and_listens_on_no_device_subject(hub: Hub) -> None:
     """A second run changes nothing; aggregates have no subjects, only per-device sources."""
     await hub.register("a")
+    await _seen(hub, "a")
     registry = await Registry.open(hub.js)
     again = await provision(hub.js, hub.config, await registry.list())
     assert {r.change for r in again} == {"unchanged"}
@@ -35,13 +45,19 @@ async def test_provision_is_idempotent_and_listens_on_no_device_subject(hub: Hub
         assert not info.config.subjects
     (telemetry,) = await _sources(hub, "FLEET_TELEMETRY")
     # The aggregate sources the hub's mirror: device data crosses the link once.
-    assert telemetry["name"] == "EDGE_TELEMETRY_a"
+    assert telemetry["name"] == "EDGE_TELEMETRY_a_i1"
     assert "external" not in telemetry
     assert telemetry["subject_transforms"] == [{"src": "tele.>", "dest": "fleet.a.tele.>"}]
-    reply = await hub.nc.request("$JS.hub.API.STREAM.INFO.EDGE_TELEMETRY_a", b"", timeout=5)
-    mirror = json.loads(reply.data)["config"]["mirror"]
-    # Deliveries on a prefix that only device a may publish to.
-    assert mirror["external"] == {"api": "$JS.edge-a.API", "deliver": "hubin.a"}
+    reply = await hub.nc.request("$JS.hub.API.STREAM.INFO.EDGE_TELEMETRY_a_i1", b"", timeout=5)
+    config = json.loads(reply.data)["config"]
+    # Read through the durable consumer of this incarnation, delivering on a subject that
+    # only device a may publish to.
+    assert config["mirror"]["external"]["api"] == "$JS.edge-a.API"
+    assert config["mirror"]["consumer"] == {
+        "name": "HUB_i1",
+        "deliver_subject": "hubin.a.i1.TELEMETRY",
+    }
+    assert config["metadata"]["incarnation"] == "i1"
     commands = await hub.js.stream_info("COMMANDS")
     assert commands.config.subjects == ["cmd.>"]
     (mine,) = await _sources(hub, "CMD_a")
@@ -59,10 +75,11 @@ async def test_devices_spread_over_shards_and_keep_them(tmp_path: Path) -> None:
     try:
         for device_id in ("a", "b", "c"):
             await hub.register(device_id)
+            await _seen(hub, device_id)
         first = [s["name"] for s in await _sources(hub, "FLEET_TELEMETRY")]
         second = [s["name"] for s in await _sources(hub, "FLEET_TELEMETRY_2")]
-        assert first == ["EDGE_TELEMETRY_a", "EDGE_TELEMETRY_b"]
-        assert second == ["EDGE_TELEMETRY_c"]
+        assert first == ["EDGE_TELEMETRY_a_i1", "EDGE_TELEMETRY_b_i1"]
+        assert second == ["EDGE_TELEMETRY_c_i1"]
         assert len(await _sources(hub, "FLEET_EVENTS_2")) == 1
 
         registry = await Registry.open(hub.js)
@@ -105,7 +122,8 @@ async def test_device_cli_round_trip(hub: Hub, tmp_path: Path) -> None:
     assert seed.read_text().startswith("SU")
     code, out, _ = await asyncio.to_thread(cli, "device", "list", "--json")
     assert [d["device_id"] for d in json.loads(out)] == ["truck-7"]
-    assert [s["name"] for s in await _sources(hub, "FLEET_EVENTS")] == ["EDGE_EVENTS_truck-7"]
+    await _seen(hub, "truck-7")
+    assert [s["name"] for s in await _sources(hub, "FLEET_EVENTS")] == ["EDGE_EVENTS_truck-7_i1"]
     code, _, err = await asyncio.to_thread(cli, "device", "add", "truck-7")
     assert code == 1
     assert "already registered" in err

@@ -109,7 +109,10 @@ def _check_json(doc: dict[str, Any], expected: dict[str, list[str]]) -> None:
     assert dc["last_heartbeat_at"] is None and dc["last_seen_s"] is None
     assert [s["stream"] for s in da["sources"]] == ["FLEET_TELEMETRY", "FLEET_EVENTS"]
     assert all(s["sourced"] and s["last_active_s"] is not None for s in da["sources"])
-    assert all(s["sourced"] and s["last_active_s"] is None for s in dc["sources"])
+    # Never seen: the hub has no incarnation of its streams to mirror yet.
+    assert all(not s["sourced"] and s["error"] == "no incarnation seen yet" for s in dc["sources"])
+    assert da["incarnation"] is not None and da["incarnation_changed_at"] is None
+    assert dc["incarnation"] is None and dc["incarnations"] == []
     assert da["commands"] == {"pending": 0, "expired": 0, "done": 1, "failed": 1}
     assert da["last_error"] == {"command_id": "gone", "status": "error", "error": "disk full"}
     assert dc["commands"] == {"pending": 1, "expired": 1, "done": 0, "failed": 0}
@@ -123,11 +126,13 @@ def _check_dot(graph: str) -> None:
     assert graph.startswith("digraph fleet {") and graph.rstrip().endswith("}")
     assert graph.count("{") == graph.count("}")
     edges = _edges(graph)
-    for device, style in (("a", "solid"), ("b", "dashed"), ("c", "dashed")):
+    for device, style in (("a", "solid"), ("b", "dashed")):
         for kind, aggregate in (("TELEMETRY", "FLEET_TELEMETRY"), ("EVENTS", "FLEET_EVENTS")):
             attrs = edges[(f"edge-{device}/{kind}", f"hub/{aggregate}")]
             assert f"style={style}" in attrs
             assert ("color=red" in attrs) == (device != "a")
+    # c was never seen: the hub mirrors nothing of it yet, so no edge is drawn.
+    assert not [edge for edge in edges if edge[0].startswith("edge-c/")]
     assert ("hub/FLEET_TELEMETRY", "archive") in edges
     assert ("hub/FLEET_EVENTS", "archive") in edges
 
