@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import shutil
 import signal
 import socket
 import subprocess
@@ -272,6 +273,17 @@ class Device:
             with contextlib.suppress(Exception):
                 await self.nc.close()
             self.nc = None
+
+    async def reimage(self) -> None:
+        """Stop the agent and its island, wipe the store and the agent's state (keeping only
+        the device's key, as a re-imaged device with the same credentials), and start again."""
+        await self.stop()
+        for item in self.config.agent.state_dir.iterdir():
+            if item.is_dir():
+                shutil.rmtree(item)
+            elif item != self.config.hub.credentials:
+                item.unlink()
+        await self.start()
 
     async def link_up(self) -> bool:
         return await self.monitor.leaf_connected()
