@@ -59,7 +59,8 @@ async def fill(rows: int) -> Hub:
 
     await eventually(lambda: stored("TELEMETRY", device.js), timeout=600, interval=1)
     await eventually(lambda: stored(STREAM, hub.js), timeout=1800, interval=1)
-    await eventually(lambda: stored("EDGE_TELEMETRY_a", hub.js), timeout=1800, interval=1)
+    mirror = await hub.mirror("a")
+    await eventually(lambda: stored(mirror, hub.js), timeout=1800, interval=1)
     log.info("bench_filled", rows=rows, seconds=round(time.monotonic() - started, 1))
     return hub
 

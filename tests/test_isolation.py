@@ -72,6 +72,7 @@ async def test_a_cannot_read_b_commands_or_fleet_data(hub: Hub, rogue: Client) -
     await b.js.publish("tele.temp", b"b-reading")
     await eventually(lambda: _fleet_has(hub, "fleet.b.tele.temp"), timeout=60)
     hub_js = rogue.jetstream(domain="hub", timeout=2)
+    b_mirror = await hub.mirror("b")
 
     attempts: dict[str, Callable[[], Awaitable[object]]] = {
         "direct get CMD_b": lambda: hub_js.get_msg("CMD_b", 1, direct=True),
@@ -83,7 +84,7 @@ async def test_a_cannot_read_b_commands_or_fleet_data(hub: Hub, rogue: Client) -
         "consumer on CMD_b": lambda: hub_js.add_consumer("CMD_b", ConsumerConfig()),
         "info FLEET_TELEMETRY": lambda: hub_js.stream_info("FLEET_TELEMETRY"),
         "direct get FLEET_TELEMETRY": lambda: hub_js.get_msg("FLEET_TELEMETRY", 1, direct=True),
-        "direct get EDGE_TELEMETRY_b": lambda: hub_js.get_msg("EDGE_TELEMETRY_b", 1, direct=True),
+        "direct get b's mirror": lambda: hub_js.get_msg(b_mirror, 1, direct=True),
     }
     for what, attempt in attempts.items():
         with pytest.raises(REFUSED):

@@ -256,7 +256,7 @@ class Chaos:
         aggregate = await self.hub.js.stream_info(
             "FLEET_TELEMETRY", subjects_filter=f"fleet.{node.id}.tele.>"
         )
-        mirror = await self.hub.js.stream_info(f"EDGE_TELEMETRY_{node.id}")
+        mirror = await self.hub.js.stream_info(await self.hub.mirror(node.id))
         in_aggregate = sum((aggregate.state.subjects or {}).values())
         return in_aggregate >= node.produced and mirror.state.messages >= node.produced
 
@@ -269,7 +269,7 @@ class Chaos:
         for node in self.nodes.values():
             want = list(range(1, node.produced + 1))
             aggregate = await scan(self.hub.js, "FLEET_TELEMETRY", f"fleet.{node.id}.tele.>")
-            mirror = await scan(self.hub.js, f"EDGE_TELEMETRY_{node.id}", "tele.>")
+            mirror = await scan(self.hub.js, await self.hub.mirror(node.id), "tele.>")
             got = [int(m.data) for m in aggregate]
             device_seqs = [_source_seq(m) for m in aggregate]
             out.at_hub[node.id] = len(got)

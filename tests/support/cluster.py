@@ -32,7 +32,7 @@ from hub_ingest.auth import write_auth
 from hub_ingest.config import HubConfig, parse_hub_config
 from hub_ingest.enrol import enrol
 from hub_ingest.incarnations import observe, watch
-from hub_ingest.provision import device_commands, provision
+from hub_ingest.provision import device_commands, mirror_name, provision
 from hub_ingest.registry import Registry
 from hub_ingest.server import render_server_config
 from tests.support.proxy import TcpProxy
@@ -157,6 +157,13 @@ class Hub:
         registry = await Registry.open(self.js)
         await observe(self.js, self.nc, self.config, await registry.list())
         await provision(self.js, self.config, await registry.list())
+
+    async def mirror(self, device_id: str, stream: str = "TELEMETRY") -> str:
+        """The hub's mirror of the current incarnation of a device stream."""
+        device = await (await Registry.open(self.js)).get(device_id)
+        current = device.current(stream)
+        assert current is not None, f"the hub has seen no incarnation of {device_id}'s {stream}"
+        return mirror_name(device_id, current)
 
     async def restart(self) -> None:
         """SIGKILL the hub server and start it again on the same ports and store."""

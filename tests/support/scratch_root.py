@@ -9,7 +9,13 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 VERIFY_UNIT = REPO / "systemd/verify-unit"
-UNITS = ("edge-nats.service", "edge-agent.service", "hub-ingest.service", "hub-ingest.timer")
+UNITS = (
+    "edge-nats.service",
+    "edge-agent.service",
+    "hub-ingest.service",
+    "hub-ingest.timer",
+    "hub-ingest-watch.service",
+)
 SYSTEM_UNITS = Path("/usr/lib/systemd/system")
 
 
