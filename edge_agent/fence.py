@@ -28,12 +28,11 @@ from nats.js.errors import APIError
 
 from edge_agent.health import LinkTracker
 from edge_agent.naming import command_stream, fence_key
-from edge_agent.statedb import StateDB
+from edge_agent.statedb import FENCE_KEY, StateDB
 from edge_agent.streams import COMMANDS, EVENTS, incarnations
 
 log = structlog.get_logger(__name__)
 
-META_KEY = "command_fence"
 POLL_S = 1.0  # while the link is up and the hub has not set the fence yet
 
 
@@ -51,7 +50,7 @@ class CommandFence:
 
     async def load(self) -> bool:
         """Take the stored fence, or 0 for a ledger with history; False if it must be learned."""
-        rows = await self._db.fetchall("SELECT value FROM meta WHERE key = ?", (META_KEY,))
+        rows = await self._db.fetchall("SELECT value FROM meta WHERE key = ?", (FENCE_KEY,))
         if rows:
             self._set(int(rows[0][0]))
         elif await self._db.fetchall("SELECT 1 FROM ledger LIMIT 1"):
@@ -84,7 +83,7 @@ class CommandFence:
 
     async def _store(self, value: int) -> None:
         async with self._db.transaction() as conn:
-            await conn.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (META_KEY, str(value)))
+            await conn.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (FENCE_KEY, str(value)))
         log.info("command_fence_set", fence=value)
         self._set(value)
 

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 from edge_agent.outbox import Outbox
-from edge_agent.statedb import StateDB
+from edge_agent.statedb import FENCE_KEY, StateDB
 
 ResultStatus = Literal["ok", "error", "rejected", "expired"]
 
@@ -54,6 +54,9 @@ class CommandStats:
     rejected: int
     expired: int
     running: int
+    # Commands up to this hub sequence are answered, not run (see `edge_agent.fence`); None
+    # while a fresh ledger waits for the hub to set it: no command runs meanwhile.
+    fence: int | None = None
 
 
 class Ledger:
@@ -101,7 +104,7 @@ STATS_SQL = (
 )
 
 
-def _stats(rows: list[Any]) -> CommandStats:
+def _stats(rows: list[Any], fence: int | None = None) -> CommandStats:
     counts: dict[str, int] = {}
     last_seq = None
     for max_seq, status, state, count in rows:
@@ -114,9 +117,11 @@ def _stats(rows: list[Any]) -> CommandStats:
         rejected=counts.get("rejected", 0),
         expired=counts.get("expired", 0),
         running=counts.get("running", 0),
+        fence=fence,
     )
 
 
 def read_stats(conn: sqlite3.Connection) -> CommandStats:
     """Ledger counts from a plain (read-only) sqlite3 connection, for ``status``."""
-    return _stats(conn.execute(STATS_SQL).fetchall())
+    fence = conn.execute("SELECT value FROM meta WHERE key = ?", (FENCE_KEY,)).fetchone()
+    return _stats(conn.execute(STATS_SQL).fetchall(), None if fence is None else int(fence[0]))

@@ -19,6 +19,9 @@ import aiosqlite
 
 from edge_agent.errors import OutboxError
 
+# `meta` key of the command fence (see `edge_agent.fence`).
+FENCE_KEY = "command_fence"
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS outbox (

@@ -27,6 +27,7 @@ import json
 import secrets
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import nats.errors
@@ -146,11 +147,25 @@ def _leaf_ids(leafz: Mapping[str, object]) -> dict[str, int]:
     }
 
 
-def _leaf_of(device: Device, leaves: Mapping[str, int]) -> int | None:
-    for name in (f"edge-{device.device_id}", device.domain):
-        if name in leaves:
-            return leaves[name]
-    return None
+class _Fleet:
+    """The registry by leaf name (``edge-<id>`` or the device's domain), re-read when stale
+    or when a leaf the last reading did not know connects (at most once a second)."""
+
+    def __init__(self, registry: Registry) -> None:
+        self._registry = registry
+        self._by_leaf: dict[str, Device] = {}
+        self._read_at = -RECHECK_S
+
+    async def device(self, leaf_name: str) -> Device | None:
+        age = time.monotonic() - self._read_at
+        if age >= RECHECK_S or (leaf_name not in self._by_leaf and age >= 1.0):
+            devices = await self._registry.list()
+            self._by_leaf = {n: d for d in devices for n in (f"edge-{d.device_id}", d.domain)}
+            self._read_at = time.monotonic()
+        return self._by_leaf.get(leaf_name)
+
+    def forget(self) -> None:
+        self._read_at = -RECHECK_S
 
 
 async def watch(
@@ -164,25 +179,43 @@ async def watch(
 ) -> None:
     """Observe each device whose leaf connection is new, until `stop` is set."""
     registry = await Registry.open(js)
-    # device → (its leaf connection id, when both its streams last answered)
-    checked: dict[str, tuple[int, float]] = {}
+    rounds = _Rounds(js, nc, config, registry, _Fleet(registry))
     log.info("incarnation_watch_started")
     while not stop.is_set():
         try:
-            leaves = _leaf_ids(await monitor.get("/leafz"))
-            for device in await registry.list():
-                leaf = _leaf_of(device, leaves)
-                last = checked.get(device.device_id)
-                now = time.monotonic()
-                if leaf is None or (last and last[0] == leaf and now - last[1] < RECHECK_S):
-                    continue
-                seen = await device_incarnations(nc, device)
-                await record(js, config, registry, device, seen)
-                # Right after the link comes up the agent may not have made its streams
-                # yet: ask again at the next round until both have answered.
-                if len(seen) == len(OUTBOUND):
-                    checked[device.device_id] = (leaf, now)
+            await rounds.run(await monitor.get("/leafz"))
         except Exception as exc:  # a hub restart or a slow device: log, and try again
             log.warning("incarnation_watch_failed", error=repr(exc))
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), interval)
+
+
+@dataclass
+class _Rounds:
+    js: JetStreamContext
+    nc: Client
+    config: HubConfig
+    registry: Registry
+    fleet: _Fleet
+    # device → (its leaf connection id, when both its streams last answered)
+    checked: dict[str, tuple[int, float]] = field(default_factory=dict)
+
+    async def run(self, leafz: Mapping[str, object]) -> None:
+        """Ask every linked device whose connection is new (or checked long ago), at once."""
+        now = time.monotonic()
+        due: list[tuple[Device, int]] = []
+        for name, leaf in _leaf_ids(leafz).items():
+            device = await self.fleet.device(name)
+            last = self.checked.get(device.device_id) if device else None
+            if device and not (last and last[0] == leaf and now - last[1] < RECHECK_S):
+                due.append((device, leaf))
+        answers = await asyncio.gather(*(device_incarnations(self.nc, d) for d, _ in due))
+        for (device, leaf), seen in zip(due, answers, strict=True):
+            if any(not _known(device, s, i) for s, i in seen.items()):
+                current = await self.registry.get(device.device_id)
+                await record(self.js, self.config, self.registry, current, seen)
+                self.fleet.forget()
+            # Right after the link comes up the agent may not have made its streams yet: ask
+            # again at the next round until both have answered.
+            if len(seen) == len(OUTBOUND):
+                self.checked[device.device_id] = (leaf, now)

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from pyspark.sql import SparkSession
 
+from edge_agent.health import collect_status
 from hub_ingest.audit import audit_archive
 from hub_ingest.commands import command_status
 from hub_ingest.registry import Registry
@@ -141,3 +142,34 @@ async def test_two_reimages_in_a_row(hub: Hub) -> None:
     assert len(await _incarnations(hub, "a", 3)) == 3
     values = [json.loads(d)["t"] for d in await _hub_rows(hub, "fleet.a.tele.temp")]
     assert sorted(values) == [*range(20)]
+
+
+async def test_lost_agent_state_with_the_store_kept_runs_no_command_again(
+    hub: Hub, tmp_path: Path
+) -> None:
+    """Only the agent's SQLite file is lost (same incarnation): the commands its island already
+    held are answered without running; a command sent afterwards runs."""
+    counter = counter_program(tmp_path)
+    ran = tmp_path / "runs"
+    a = await hub.device("a", sections={"commands": {"exec_allow": [[*counter, "*"]]}})
+    before = await send_command(hub, "a", "exec", {"argv": [*counter, str(ran), "0"]})
+    await eventually(lambda: _results(hub, before.id), timeout=TIMEOUT, what="first result")
+
+    await a.stop()
+    for path in a.config.agent.state_dir.glob(f"{a.config.agent.database.name}*"):
+        path.unlink()
+    await a.start()
+
+    async def fence() -> int | None:
+        status = await collect_status(a.config)
+        return None if status.commands is None else status.commands.fence
+
+    assert await eventually(fence, timeout=TIMEOUT, what="command fence") >= 1
+    after = await send_command(hub, "a", "exec", {"argv": [*counter, str(ran), "0"]})
+    answers = await eventually(
+        lambda: _has(_results(hub, before.id), 2), timeout=TIMEOUT, what="old command answered"
+    )
+    assert [r["status"] for r in answers] == ["ok", "rejected"]
+    (result,) = await eventually(lambda: _results(hub, after.id), timeout=TIMEOUT)
+    assert result["status"] == "ok"
+    assert runs(ran) == 2  # `before` once, `after` once
