@@ -130,7 +130,11 @@ async def test_rows_are_attributed_from_subject_and_stored_headers(hub: Hub) -> 
     from ``fleet.<device>.<subject>``, the origin's sequence and store time through
     ``Nats-Stream-Source``, every stored header kept; rows that break these conventions keep
     what they have instead of failing the batch."""
-    await hub.js.add_stream(StreamConfig(name="ORIGIN", subjects=["origin.>"], allow_direct=True))
+    # The origin plays the hub's mirror of one device incarnation, which names it.
+    origin = StreamConfig(
+        name="ORIGIN", subjects=["origin.>"], allow_direct=True, metadata={"incarnation": "i7"}
+    )
+    await hub.js.add_stream(origin)
     for i in range(3):
         await hub.js.publish("origin.tele", str(i).encode(), headers={"X-Note": "  two words "})
     into_fleet = SubjectTransform(src="origin.>", dest="fleet.d1.origin.>")
@@ -153,11 +157,11 @@ async def test_rows_are_attributed_from_subject_and_stored_headers(hub: Hub) -> 
 
     origin_time = (await hub.js.get_msg("ORIGIN", 1)).time
     expected = [
-        ("d1", "origin.tele", 1, 1, origin_time),
-        ("d1", "origin.tele", 3, 3, None),
-        ("d2", "evt.x", None, 4, None),
+        ("d1", "i7", "origin.tele", 1, 1, origin_time),
+        ("d1", "i7", "origin.tele", 3, 3, None),
+        ("d2", None, "evt.x", None, 4, None),
     ]
-    columns = ("device_id", "subject", "device_seq", "hub_seq", "device_time")
+    columns = ("device_id", "incarnation", "subject", "device_seq", "hub_seq", "device_time")
     assert [tuple(r[c] for c in columns) for r in rows] == expected
     assert [r["payload"] for r in rows] == [b"0", b"2", b"3"]
     assert [r["headers"]["X-Note"] for r in rows[:2]] == ["two words"] * 2
@@ -169,6 +173,7 @@ async def test_rows_are_attributed_from_subject_and_stored_headers(hub: Hub) -> 
     other = await _read(hub, SeqRange("PARSED", 5, 5))
     assert other.to_pylist()[0] | {"hub_time": None} == {
         "device_id": None,
+        "incarnation": None,
         "subject": "other",
         "device_seq": None,
         "hub_stream": "PARSED",
