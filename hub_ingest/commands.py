@@ -97,6 +97,17 @@ class CommandStatus:
         }
 
 
+RAN = ("ok", "error")  # result statuses of a command that ran; the others did not run it
+
+
+def supersedes(new_status: object, old_status: object) -> bool:
+    """Whether a later result of a command on a device replaces the one already seen: only an
+    answer from a run replaces an answer that it did not run. A re-imaged device answers the
+    commands its previous incarnation may have run "rejected" (see `edge_agent.fence`), and
+    that must not hide the real result."""
+    return new_status in RAN and old_status not in RAN
+
+
 class ResultReader:
     """Result events from the ``FLEET_EVENTS`` shards, through ephemeral pull consumers."""
 
@@ -189,7 +200,10 @@ async def command_status(
         while await reader.pending():
             for result in await reader.read(timeout=5.0):
                 if result.get("command_id") == command_id:
-                    status.results.setdefault(str(result.get("device_id")), result)
+                    device = str(result.get("device_id"))
+                    seen = status.results.get(device)
+                    if seen is None or supersedes(result.get("status"), seen.get("status")):
+                        status.results[device] = result
     if found is None and not status.results:
         raise HubIngestError(f"command {command_id!r} not found in {COMMANDS} or in any result")
     return status

@@ -34,6 +34,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
 from edge_agent.units import format_time
+from hub_ingest.commands import supersedes
 from hub_ingest.config import HubConfig
 from hub_ingest.errors import ReportError
 from hub_ingest.provision import AGGREGATES, COMMANDS, mirror_name
@@ -340,9 +341,21 @@ def _results(msgs: Iterable[Msg]) -> dict[str, list[_Result]]:
     return by_device
 
 
+def _decisive(results: list[_Result]) -> list[_Result]:
+    """One result per command id (see `supersedes`); results without an id all count."""
+    by_id: dict[str, _Result] = {}
+    for r in results:
+        if r.command_id is not None:
+            seen = by_id.get(r.command_id)
+            if seen is None or supersedes(r.status, seen.status):
+                by_id[r.command_id] = r
+    return [*by_id.values(), *(r for r in results if r.command_id is None)]
+
+
 def _command_state(
     device_id: str, commands: list[_Command], results: list[_Result], now: datetime
 ) -> tuple[CommandCounts, CommandError | None]:
+    results = _decisive(results)
     answered = {r.command_id for r in results if r.command_id is not None}
     mine = [c for c in commands if c.target in (device_id, "all") and c.id not in answered]
     expired = sum(1 for c in mine if c.expires_at is not None and c.expires_at <= now)

@@ -15,6 +15,7 @@ from edge_agent.health import collect_status
 from hub_ingest.audit import audit_archive
 from hub_ingest.commands import command_status
 from hub_ingest.registry import Registry
+from hub_ingest.report import collect_report
 from tests.support.cluster import Device, Hub, stream_messages
 from tests.support.commands import counter_program, runs, send_command
 from tests.support.ingest import ingest_config, run_once, telemetry
@@ -85,6 +86,11 @@ async def test_reimaged_device_loses_nothing_and_runs_no_command_twice(
     registry = await Registry.open(hub.js)
     status = await command_status(hub.js, before.id, await registry.list())
     assert status.results["a"]["status"] == "ok"
+    fleet = await collect_report(hub.nc, hub.config, await registry.list(), silent_after=3600)
+    (device,) = fleet.devices
+    # The re-imaged device's "not run" answer does not hide the result of the run.
+    assert (device.commands.failed, device.last_error) == (0, None)
+    assert device.incarnation_changed_at is not None
 
     config = ingest_config(hub)
     await run_once(spark, config)
