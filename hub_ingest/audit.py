@@ -27,6 +27,7 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 from nats.js import JetStreamContext
 
+from hub_ingest.commands import attribute
 from hub_ingest.provision import AGGREGATES
 
 METADATA_DIR = "_spark_metadata"
@@ -202,17 +203,22 @@ def _device_stream(hub_stream: str) -> str:
 
 def _reported_drops(archive: Path) -> dict[tuple[str, str, str | None], int]:
     """(device, stream, incarnation) → the first sequence the device still had after dropping
-    older ones."""
+    older ones. Only a device's own heartbeats count (see `hub_ingest.commands.attribute`): a
+    device cannot explain away another's gaps."""
     beats = read_archive(
         archive,
-        ["device_id", "incarnation", "payload"],
+        ["device_id", "incarnation", "subject", "payload"],
         pc.match_substring_regex(ds.field("subject"), r"^evt\.[^.]+\.heartbeat$"),
     )
     out: dict[tuple[str, str, str | None], int] = {}
     for row in beats.to_pylist() if beats is not None else []:
         try:
-            streams = json.loads(row["payload"])["streams"]
+            body = json.loads(row["payload"])
+            streams = body["streams"]
         except (ValueError, KeyError, TypeError):
+            continue
+        hub_subject = f"fleet.{row['device_id']}.{row['subject']}"
+        if not attribute(hub_subject, body, "heartbeat").trusted:
             continue
         for name, state in streams.items() if isinstance(streams, dict) else ():
             if isinstance(state, dict) and state.get("dropped", 0) > 0:

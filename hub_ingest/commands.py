@@ -5,6 +5,10 @@ A command is published on ``cmd.<device_id>.<type>`` (or ``cmd.all.<type>``) wit
 ``evt.<device_id>.result``, which reach the hub through the ``FLEET_EVENTS`` aggregates as
 ``fleet.<device_id>.evt.<device_id>.result``. Results are read with short-lived ephemeral
 consumers; nothing is kept on the hub besides the streams themselves.
+
+Who sent an event is what the hub's own subject transform wrote (``fleet.<id>.…``), never what
+the payload says (`attribute`): a device can publish anything on its own island, but only under
+its own id at the hub. An event that claims another device is ignored and reported.
 """
 
 from __future__ import annotations
@@ -73,12 +77,40 @@ def event_streams(devices: Iterable[Device]) -> list[str]:
     return sorted({_EVENTS.stream_name(d.shard) for d in devices} or {_EVENTS.stream_name(0)})
 
 
+@dataclass(frozen=True, slots=True)
+class Attribution:
+    device_id: str | None  # from the hub's subject; None: not an aggregate event subject
+    forgery: str | None  # what the event claims that its subject does not; None: consistent
+
+    @property
+    def trusted(self) -> bool:
+        return self.device_id is not None and self.forgery is None
+
+
+def attribute(subject: str, body: Mapping[str, Any] | None, kind: str) -> Attribution:
+    """Who sent the `kind` event (``result``, ``heartbeat``) stored on `subject` in an aggregate:
+    the device the hub's transform named, if the device's own subject and payload agree."""
+    tokens = subject.split(".")
+    if len(tokens) < 5 or tokens[0] != "fleet" or tokens[2] != "evt":
+        return Attribution(None, f"{subject} is not an aggregate event subject")
+    device = tokens[1]
+    published = ".".join(tokens[2:])
+    if tokens[3] != device or tokens[4:] != [kind]:
+        return Attribution(device, f"published {published}")
+    claimed = (body or {}).get("device_id")
+    if claimed is not None and claimed != device:
+        return Attribution(device, f"{published} naming device {claimed!r}")
+    return Attribution(device, None)
+
+
 @dataclass
 class CommandStatus:
     envelope: dict[str, Any] | None
     subject: str | None
     results: dict[str, dict[str, Any]] = field(default_factory=dict)
     expected: list[str] = field(default_factory=list)
+    # Results ignored because they claim another device: "<sender>: <what it claimed>".
+    forged: list[str] = field(default_factory=list)
 
     def per_device(self) -> dict[str, str]:
         """pending / ok / error / rejected / expired for every device concerned."""
@@ -94,6 +126,7 @@ class CommandStatus:
                 d: {"status": s, "result": self.results.get(d)}
                 for d, s in self.per_device().items()
             },
+            "forged": self.forged,
         }
 
 
@@ -138,9 +171,10 @@ class ResultReader:
             for sub in subs:
                 await sub.unsubscribe()
 
-    async def read(self, timeout: float) -> list[dict[str, Any]]:
-        """Whatever results arrived, waiting up to `timeout` per shard for the first one."""
-        results: list[dict[str, Any]] = []
+    async def read(self, timeout: float) -> list[tuple[Attribution, dict[str, Any]]]:
+        """Whatever results arrived, with who sent each, waiting up to `timeout` per shard for
+        the first one."""
+        results: list[tuple[Attribution, dict[str, Any]]] = []
         for sub in self._subs:
             try:
                 msgs = await sub.fetch(256, timeout=timeout)
@@ -156,12 +190,14 @@ class ResultReader:
         return total
 
 
-def _result(msg: Msg) -> dict[str, Any] | None:
+def _result(msg: Msg) -> tuple[Attribution, dict[str, Any]] | None:
     try:
         body = json.loads(msg.data)
     except ValueError:
         return None
-    return body if isinstance(body, dict) and "command_id" in body else None
+    if not isinstance(body, dict) or "command_id" not in body:
+        return None
+    return attribute(msg.subject, body, "result"), body
 
 
 async def find_command(js: JetStreamContext, command_id: str) -> tuple[Msg, dict[str, Any]] | None:
@@ -198,12 +234,16 @@ async def command_status(
         since = msg.metadata.timestamp
     async with ResultReader.open(js, event_streams(devices), since) as reader:
         while await reader.pending():
-            for result in await reader.read(timeout=5.0):
-                if result.get("command_id") == command_id:
-                    device = str(result.get("device_id"))
-                    seen = status.results.get(device)
-                    if seen is None or supersedes(result.get("status"), seen.get("status")):
-                        status.results[device] = result
+            for sender, result in await reader.read(timeout=5.0):
+                if result.get("command_id") != command_id or sender.device_id is None:
+                    continue
+                if sender.forgery is not None:
+                    status.forged.append(f"{sender.device_id}: {sender.forgery}")
+                    continue
+                device = sender.device_id
+                seen = status.results.get(device)
+                if seen is None or supersedes(result.get("status"), seen.get("status")):
+                    status.results[device] = result
     if found is None and not status.results:
         raise HubIngestError(f"command {command_id!r} not found in {COMMANDS} or in any result")
     return status

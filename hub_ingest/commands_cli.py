@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 import time
 from typing import Any
 
@@ -93,9 +94,17 @@ async def _send(config: HubConfig, args: argparse.Namespace) -> int:
             failed = False
             deadline = time.monotonic() + args.wait
             while waiting and time.monotonic() < deadline:
-                for result in await reader.read(timeout=min(1.0, args.wait)):
-                    device = str(result.get("device_id"))
-                    if result.get("command_id") != envelope.id or device not in waiting:
+                for sender, result in await reader.read(timeout=min(1.0, args.wait)):
+                    device = sender.device_id
+                    if result.get("command_id") != envelope.id or device is None:
+                        continue
+                    if not sender.trusted:
+                        print(
+                            f"ignored a result forged by {device}: {sender.forgery}",
+                            file=sys.stderr,
+                        )
+                        continue
+                    if device not in waiting:
                         continue
                     waiting.discard(device)
                     failed |= result.get("status") != "ok"
@@ -122,4 +131,6 @@ async def _status(config: HubConfig, args: argparse.Namespace) -> int:
         result = status.results.get(device)
         detail = f"{result.get('finished_at')}  {describe(result)}" if result else ""
         print(f"{device:<24} {state:<9} {detail}")
+    for forged in status.forged:
+        print(f"ignored a forged result: {forged}", file=sys.stderr)
     return 0

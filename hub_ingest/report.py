@@ -20,7 +20,7 @@ import base64
 import binascii
 import json
 import urllib.request
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
@@ -34,7 +34,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
 from edge_agent.units import format_time
-from hub_ingest.commands import supersedes
+from hub_ingest.commands import Attribution, attribute, supersedes
 from hub_ingest.config import HubConfig
 from hub_ingest.errors import ReportError
 from hub_ingest.provision import AGGREGATES, COMMANDS, mirror_name
@@ -93,6 +93,8 @@ class DeviceReport:
     # Every incarnation of the device's streams the hub has seen, oldest first: a new one
     # means the device was re-imaged (or its store replaced) at about `seen_at`.
     incarnations: tuple[Incarnation, ...] = ()
+    # Results and heartbeats this device sent that claim another device: ignored, counted.
+    forged_events: int = 0
 
     @property
     def incarnation(self) -> str | None:
@@ -299,13 +301,21 @@ def _json_object(data: bytes) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
-def _telemetry_dropped(heartbeat: Mapping[str, Any] | None) -> int | None:
-    """``streams.TELEMETRY.dropped`` of a heartbeat as returned by ``STREAM.MSG.GET``."""
+def _beat_body(heartbeat: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """The JSON body of a heartbeat as returned by ``STREAM.MSG.GET``."""
     try:
-        body = _json_object(base64.b64decode(str((heartbeat or {}).get("data", ""))))
+        return _json_object(base64.b64decode(str((heartbeat or {}).get("data", ""))))
     except (binascii.Error, ValueError):
         return None
-    streams = (body or {}).get("streams")
+
+
+def _beat_sender(subject: str, heartbeat: Mapping[str, Any]) -> Attribution:
+    return attribute(subject, _beat_body(heartbeat), "heartbeat")
+
+
+def _telemetry_dropped(heartbeat: Mapping[str, Any] | None) -> int | None:
+    """``streams.TELEMETRY.dropped`` of a heartbeat as returned by ``STREAM.MSG.GET``."""
+    streams = (_beat_body(heartbeat) or {}).get("streams")
     telemetry = streams.get("TELEMETRY") if isinstance(streams, dict) else None
     dropped = telemetry.get("dropped") if isinstance(telemetry, dict) else None
     return dropped if isinstance(dropped, int) and not isinstance(dropped, bool) else None
@@ -323,14 +333,20 @@ def _commands(msgs: Iterable[Msg]) -> list[_Command]:
     return commands
 
 
-def _results(msgs: Iterable[Msg]) -> dict[str, list[_Result]]:
-    """Results by device; the device id comes from the subject the hub rewrote, not the body."""
+def _results(msgs: Iterable[Msg], forged: _Forgeries) -> dict[str, list[_Result]]:
+    """Results by device, from the subject the hub rewrote (`attribute`); one that claims
+    another device is not counted for anybody, only noted in `forged`."""
     by_device: dict[str, list[_Result]] = defaultdict(list)
     for msg in msgs:
         body = _json_object(msg.data) or {}
+        sender = attribute(msg.subject, body, "result")
+        if not sender.trusted:
+            forged.note(sender)
+            continue
+        assert sender.device_id is not None
         command_id = body.get("command_id")
         error = body.get("error")
-        by_device[msg.subject.split(".")[1]].append(
+        by_device[sender.device_id].append(
             _Result(
                 seq=msg.metadata.sequence.stream if msg.metadata.sequence else 0,
                 command_id=command_id if isinstance(command_id, str) else None,
@@ -339,6 +355,39 @@ def _results(msgs: Iterable[Msg]) -> dict[str, list[_Result]]:
             )
         )
     return by_device
+
+
+class _Forgeries:
+    """Events that claim another device, per sender, for the report's warnings."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[str] = Counter()
+        self.examples: dict[str, str] = {}
+
+    def note(self, sender: Attribution, count: int = 1) -> None:
+        device = sender.device_id or "?"
+        self.counts[device] += count
+        self.examples.setdefault(device, sender.forgery or "")
+
+    def warnings(self) -> list[str]:
+        return [
+            f"device {d} sent {n} event(s) claiming another device, ignored (e.g. "
+            f"{self.examples[d]})"
+            for d, n in sorted(self.counts.items())
+        ]
+
+
+async def _heartbeat_forgeries(api: HubApi, stream: str, forged: _Forgeries) -> None:
+    """Heartbeats a device published under another device's subject (counted per subject by
+    the server, without reading them)."""
+    info = await api.request(
+        f"STREAM.INFO.{stream}", {"subjects_filter": "fleet.*.evt.*.heartbeat"}
+    )
+    subjects = ((info or {}).get("state") or {}).get("subjects") or {}
+    for subject, count in subjects.items():
+        sender = attribute(subject, None, "heartbeat")
+        if not sender.trusted:
+            forged.note(sender, int(count))
 
 
 def _decisive(results: list[_Result]) -> list[_Result]:
@@ -446,9 +495,12 @@ async def collect_report(
 
     commands = _commands(await scan(js, COMMANDS, "cmd.>"))
     event_streams = [n for n in names if infos[n] is not None and n.startswith(EVENTS.base_name)]
+    forged = _Forgeries()
     results = _results(
-        [m for n in event_streams for m in await scan(js, n, "fleet.*.evt.*.result")]
+        [m for n in event_streams for m in await scan(js, n, "fleet.*.evt.*.result")], forged
     )
+    for name in event_streams:
+        await _heartbeat_forgeries(api, name, forged)
 
     reports = []
     for device in devices:
@@ -466,6 +518,9 @@ async def collect_report(
         events_stream = EVENTS.stream_name(device.shard)
         subject = f"{EVENTS.subject_prefix(device.device_id)}.{device.device_id}.heartbeat"
         heartbeat = await api.last_message(events_stream, subject) if infos[events_stream] else None
+        if heartbeat is not None and not (sender := _beat_sender(subject, heartbeat)).trusted:
+            forged.note(sender)
+            heartbeat = None  # it names another device: not this one's word on itself
         beat_at = parse_time(heartbeat.get("time")) if heartbeat else None
         beat_age = round(max((now - beat_at).total_seconds(), 0.0), 3) if beat_at else None
         ages = [a for a in (beat_age, *(s.last_active_s for s in sources)) if a is not None]
@@ -490,6 +545,8 @@ async def collect_report(
                 last_error=last_error,
                 flags=_flags(last_seen, silent_after),
                 incarnations=device.incarnations,
+                forged_events=forged.counts[device.device_id],
             )
         )
+    warnings.extend(forged.warnings())
     return FleetReport(format_time(now), silent_after, tuple(reports), tuple(warnings))

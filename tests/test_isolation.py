@@ -7,6 +7,7 @@ the agent renders, so everything here is refused by the hub's permissions alone.
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
@@ -19,7 +20,11 @@ from nats.js.errors import NotFoundError, ServiceUnavailableError
 
 from edge_agent.island import read_seed
 from edge_agent.naming import inbox_prefix
+from hub_ingest.commands import command_status
+from hub_ingest.registry import Registry
+from hub_ingest.report import collect_report
 from tests.support.cluster import Device, Hub, NatsServer, free_port, stream_messages
+from tests.support.commands import send_command
 from tests.support.waiting import eventually
 
 # Refused requests never reach a responder: nats-py says "no responders" or times out.
@@ -142,3 +147,63 @@ async def _fleet_has(hub: Hub, subject: str) -> bool:
     except NotFoundError:
         return False
     return True
+
+
+async def _events_at_hub(hub: Hub, subjects: set[str]) -> bool:
+    info = await hub.js.stream_info("FLEET_EVENTS", subjects_filter="fleet.a.evt.>")
+    return subjects <= set(info.state.subjects or {})
+
+
+async def test_results_and_heartbeats_count_for_the_sender_only(hub: Hub) -> None:
+    """Device a publishes, on its own island, a result and a heartbeat naming device c, and
+    the same on c's subjects (evt.c.*): none of them counts for c, each is a warning about a."""
+    a = await hub.device("a", heartbeat_interval="1h")
+    await hub.register("c")  # enrolled, never connected: nothing can truly come from it
+    command = await send_command(hub, "c", "ping")
+    forged = {
+        "command_id": command.id,
+        "device_id": "c",
+        "status": "ok",
+        "output": "forged by a",
+        "started_at": "2026-01-01T00:00:00Z",
+        "finished_at": "2026-01-01T00:00:00Z",
+    }
+    beat = {"device_id": "c", "healthy": True, "streams": {"TELEMETRY": {"dropped": 0}}}
+    for subject, body in (
+        ("evt.a.result", forged),
+        ("evt.c.result", forged),
+        ("evt.c.heartbeat", beat),
+        ("evt.a.heartbeat", beat),
+    ):
+        await a.js.publish(subject, json.dumps(body).encode())
+    await eventually(
+        lambda: _events_at_hub(
+            hub, {f"fleet.a.evt.{s}" for s in ("a.result", "c.result", "c.heartbeat")}
+        ),
+        timeout=60,
+        what="the forged events at the hub",
+    )
+    await eventually(lambda: _last_beat_is_forged(hub), timeout=60, what="forged heartbeat")
+
+    devices = await (await Registry.open(hub.js)).list()
+    status = await command_status(hub.js, command.id, devices)
+    assert status.per_device() == {"c": "pending"}
+    assert sorted(status.forged) == [
+        "a: evt.a.result naming device 'c'",
+        "a: published evt.c.result",
+    ]
+    report = await collect_report(hub.nc, hub.config, devices, silent_after=3600)
+    by_id = {d.device_id: d for d in report.devices}
+    assert by_id["c"].last_heartbeat_at is None
+    assert by_id["c"].commands.done == 0 and by_id["c"].commands.pending == 1
+    assert by_id["c"].forged_events == 0
+    assert by_id["a"].forged_events == 4  # two results, two heartbeats
+    assert by_id["a"].commands.done == 0
+    assert any(
+        w.startswith("device a sent 4 event(s) claiming another device") for w in report.warnings
+    )
+
+
+async def _last_beat_is_forged(hub: Hub) -> bool:
+    msg = await hub.js.get_msg("FLEET_EVENTS", subject="fleet.a.evt.a.heartbeat", direct=True)
+    return b'"device_id": "c"' in (msg.data or b"")
