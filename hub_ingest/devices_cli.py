@@ -14,6 +14,7 @@ from hub_ingest.cliargs import device_id
 from hub_ingest.config import HubConfig
 from hub_ingest.connect import hub_connection
 from hub_ingest.enrol import enrol, retire
+from hub_ingest.provision_cli import ADOPT_HELP
 from hub_ingest.registry import Registry
 
 
@@ -32,6 +33,7 @@ def register(sub: Any) -> None:
         type=Path,
         help="where to write a new key's seed (mode 0600; default <state_dir>/credentials/ID.nk)",
     )
+    add.add_argument("--adopt", action="store_true", help=ADOPT_HELP)
     remove = device.add_parser("remove", help="stop sourcing a device (archived data stays)")
     remove.add_argument("device_id", type=device_id)
     listing = device.add_parser("list", help="registered devices")
@@ -60,6 +62,7 @@ async def _device(config: HubConfig, args: argparse.Namespace) -> int:
                 domain=args.domain,
                 key=args.key,
                 seed_file=args.seed_out,
+                adopt=args.adopt,
             )
             d = change.device
             print(f"added {d.device_id} (domain {d.domain}, shard {d.shard}, key {d.nkey})")

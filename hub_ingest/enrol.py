@@ -16,7 +16,7 @@ from nats.js import JetStreamContext
 from edge_agent.streams import Reconciled
 from hub_ingest.auth import new_seed, public_key, reload_server, write_auth, write_secret
 from hub_ingest.config import HubConfig
-from hub_ingest.provision import provision
+from hub_ingest.provision import check_foreign_streams, provision
 from hub_ingest.registry import Device, Registry
 
 log = structlog.get_logger(__name__)
@@ -35,12 +35,17 @@ def seed_path(config: HubConfig, device_id: str) -> Path:
 
 
 async def _apply(
-    js: JetStreamContext, config: HubConfig, registry: Registry, *, streams: bool = True
+    js: JetStreamContext,
+    config: HubConfig,
+    registry: Registry,
+    *,
+    streams: bool = True,
+    adopt: bool = False,
 ) -> tuple[bool, list[Reconciled]]:
     devices = await registry.list()
     write_auth(config, devices)
     reloaded = await reload_server(config)
-    return reloaded, await provision(js, config, devices) if streams else []
+    return reloaded, await provision(js, config, devices, adopt=adopt) if streams else []
 
 
 async def enrol(
@@ -52,10 +57,13 @@ async def enrol(
     key: str | None = None,
     seed_file: Path | None = None,
     streams: bool = True,
+    adopt: bool = False,
 ) -> Change:
     """Register `device_id` with its public `key`, or with a new key whose seed is written to
     `seed_file` (default ``<state_dir>/credentials/<id>.nk``, mode 0600). With
-    ``streams=False`` the hub's streams are left for a later `provision`."""
+    ``streams=False`` the hub's streams are left for a later `provision`. A stream of another
+    owner in the way is refused before anything changes (`adopt`: see `provision`)."""
+    await check_foreign_streams(js, adopt=adopt)
     registry = await Registry.open(js)
     seed = None if key is not None else new_seed()
     nkey = key if key is not None else public_key(seed or "")
@@ -66,7 +74,7 @@ async def enrol(
     if seed is not None:
         written = seed_file or seed_path(config, device_id)
         write_secret(written, seed)
-    reloaded, changed = await _apply(js, config, registry, streams=streams)
+    reloaded, changed = await _apply(js, config, registry, streams=streams, adopt=adopt)
     log.info("device_enrolled", device_id=device_id, shard=device.shard, reloaded=reloaded)
     return Change(device, written, reloaded, changed)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import structlog
 from nats.js import JetStreamContext
@@ -50,6 +51,11 @@ log = structlog.get_logger(__name__)
 
 COMMANDS = "COMMANDS"
 MANAGED_BY = {"managed-by": "hub-ingest"}
+# Subjects the fleet's streams carry (devices' `tele.>` and `evt.>`, the aggregates' `fleet.>`,
+# commands) and the deliveries of mirrors across the link (`naming.to_hub_prefix`,
+# `to_device_prefix`). Another stream listening on any of them would store fleet messages a
+# second time, or take them from the streams that should have them.
+FLEET_SUBJECTS = ("cmd.>", "fleet.>", "tele.>", "evt.>", "hubin.>", "devin.>")
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,15 +193,19 @@ def aggregate_streams(
     streams = []
     for aggregate in AGGREGATES:
         for shard in sorted(by_shard):
+            sources = [s for d in by_shard[shard] for s in device_sources(aggregate, d)]
+            name = aggregate.stream_name(shard)
             streams.append(
                 StreamConfig(
-                    name=aggregate.stream_name(shard),
+                    name=name,
+                    # The server gives a stream with neither subjects nor sources its own name
+                    # as subject (no device publishes that); say so, or every run "updates" it.
+                    subjects=None if sources else [name],
                     storage=StorageType.FILE,
                     discard=DiscardPolicy.OLD,
                     max_bytes=config.aggregates.max_bytes,
                     max_age=config.aggregates.max_age,
-                    sources=[s for d in by_shard[shard] for s in device_sources(aggregate, d)]
-                    or None,
+                    sources=sources or None,
                     duplicate_window=120.0,
                     allow_direct=True,
                     metadata=MANAGED_BY,
@@ -227,10 +237,65 @@ def _shard_of(name: str) -> list[int]:
     return []
 
 
+def subjects_overlap(a: str, b: str) -> bool:
+    """Whether some subject matches both patterns (``*`` is one token, ``>`` one or more)."""
+    left, right = a.split("."), b.split(".")
+    for x, y in zip(left, right, strict=False):
+        if ">" in (x, y):
+            return True
+        if x != y and "*" not in (x, y):
+            return False
+    return len(left) == len(right)
+
+
+def _ours(name: str) -> bool:
+    """Names hub-ingest manages: a stream of another owner under one of them is a clash."""
+    return name == COMMANDS or name.startswith(("CMD_", "EDGE_")) or bool(_shard_of(name))
+
+
+def _clash(config: dict[str, Any], adopt: bool) -> str | None:
+    """Why provisioning must not go on beside (or over) this existing stream, if it must not."""
+    name = str(config.get("name"))
+    if (config.get("metadata") or {}).get("managed-by") == MANAGED_BY["managed-by"]:
+        return None
+    if _ours(name):
+        if adopt:
+            return None
+        return (
+            f"stream {name} exists but was not created by hub-ingest (no metadata "
+            f"managed-by: hub-ingest): refusing to rewrite it; --adopt takes it over"
+        )
+    for subject in config.get("subjects") or []:
+        for fleet in FLEET_SUBJECTS:
+            if subjects_overlap(subject, fleet):
+                return (
+                    f"stream {name} listens on {subject!r}, which overlaps {fleet!r} that the "
+                    f"fleet uses: it would store fleet messages a second time; change its "
+                    f"subjects or delete it"
+                )
+    return None
+
+
+async def check_foreign_streams(js: JetStreamContext, *, adopt: bool = False) -> None:
+    """Refuse (`ProvisionError`) before anything changes if another stream is in the way."""
+    offset = 0
+    while page := await js.streams_info(offset=offset):
+        offset += len(page)
+        for info in page:
+            problem = _clash(info.config.as_dict(), adopt)
+            if problem:
+                raise ProvisionError(problem)
+
+
 async def provision(
-    js: JetStreamContext, config: HubConfig, devices: Iterable[Device]
+    js: JetStreamContext, config: HubConfig, devices: Iterable[Device], *, adopt: bool = False
 ) -> list[Reconciled]:
-    """Create or update ``COMMANDS`` and every aggregate stream; safe to repeat."""
+    """Create or update ``COMMANDS`` and every aggregate stream; safe to repeat.
+
+    Refuses, changing nothing, when a stream of another owner is in the way (see `_clash`);
+    with `adopt`, same-named streams of another owner are taken over.
+    """
+    await check_foreign_streams(js, adopt=adopt)
     # Shards whose last device was removed still exist and must stop sourcing it.
     shards = {shard for name in await stream_names(js) for shard in _shard_of(name)}
     devices = list(devices)

@@ -19,10 +19,16 @@ from hub_ingest.registry import Registry
 from hub_ingest.report import monitor_url
 from hub_ingest.server import render_server_config
 
+ADOPT_HELP = (
+    "take over streams with the fleet's names that hub-ingest did not create (otherwise "
+    "they are refused, and nothing changes)"
+)
+
 
 def register(sub: Any) -> None:
     p = sub.add_parser("provision", help="create or update COMMANDS and the aggregate streams")
-    p.set_defaults(handler=lambda config, args: asyncio.run(_provision(config)))
+    p.add_argument("--adopt", action="store_true", help=ADOPT_HELP)
+    p.set_defaults(handler=lambda config, args: asyncio.run(_provision(config, args.adopt)))
     w = sub.add_parser(
         "watch",
         help="run until stopped: notice re-imaged devices (new incarnations) and mirror them",
@@ -39,14 +45,15 @@ def register(sub: Any) -> None:
     r.set_defaults(handler=_render)
 
 
-async def _provision(config: HubConfig) -> int:
+async def _provision(config: HubConfig, adopt: bool) -> int:
     async with hub_connection(config) as nc:
         js = nc.jetstream(domain=config.nats.domain)
         registry = await Registry.open(js)
+        for result in await provision(js, config, await registry.list(), adopt=adopt):
+            print(f"{result.name:<24} {result.change}")
+        # Devices linked right now whose incarnations the hub has not seen yet.
         for new in await observe(js, nc, config, await registry.list()):
             print(f"{new.stream} incarnation {new.id} (command fence {new.command_fence})")
-        for result in await provision(js, config, await registry.list()):
-            print(f"{result.name:<24} {result.change}")
     return 0
 
 

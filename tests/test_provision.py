@@ -9,10 +9,11 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from nats.js.api import StreamConfig
 
 from hub_ingest.auth import ensure_operator_key, public_key
 from hub_ingest.errors import RegistryError
-from hub_ingest.provision import provision
+from hub_ingest.provision import provision, stream_names, subjects_overlap
 from hub_ingest.registry import Incarnation, Registry
 from tests.support.cluster import NATS_SERVER, Hub, run_cli, start_hub
 from tests.support.hub_config import write_hub_config
@@ -188,3 +189,70 @@ def test_render_writes_server_config_users_file_and_operator_key(tmp_path: Path)
     again = run_cli("hub_ingest", "-c", str(path), "render-nats-config")
     assert again.returncode == 0 and "operators only" not in again.stderr
     assert auth.read_text().endswith("# kept\n")
+
+
+@pytest.mark.parametrize(
+    ("subjects", "clash"),
+    [
+        (["hubin.>"], "hubin.>"),
+        (["fleet.a.tele.*"], "fleet.a.tele.*"),
+        (["x", "tele.temp"], "tele.temp"),
+    ],
+)
+async def test_a_foreign_stream_on_fleet_subjects_is_refused_and_nothing_changes(
+    hub: Hub, tmp_path: Path, subjects: list[str], clash: str
+) -> None:
+    """`provision` and `device add` name the stream and its subject, exit 1, change nothing."""
+    await hub.js.add_stream(StreamConfig(name="SNOOP", subjects=subjects))
+    config = write_hub_config(hub.config, tmp_path / "hub.toml")
+    before = sorted(await stream_names(hub.js))
+
+    for args in (("provision",), ("device", "add", "z")):
+        run = await asyncio.to_thread(run_cli, "hub_ingest", "-c", str(config), *args)
+        assert run.returncode == 1, run.stderr
+        assert f"stream SNOOP listens on {clash!r}" in run.stderr
+        assert "Traceback" not in run.stderr
+
+    assert sorted(await stream_names(hub.js)) == before
+    assert await (await Registry.open(hub.js)).list() == []
+
+
+async def test_a_same_named_stream_is_adopted_only_when_asked(hub: Hub, tmp_path: Path) -> None:
+    """A CMD_z made by someone else is refused by `device add z`; `--adopt` takes it over."""
+    await hub.js.add_stream(StreamConfig(name="CMD_z", subjects=["other.z"]))
+    config = write_hub_config(hub.config, tmp_path / "hub.toml")
+
+    refused = await asyncio.to_thread(
+        run_cli, "hub_ingest", "-c", str(config), "device", "add", "z"
+    )
+    assert refused.returncode == 1
+    assert "stream CMD_z exists but was not created by hub-ingest" in refused.stderr
+    assert "--adopt" in refused.stderr
+    assert await (await Registry.open(hub.js)).list() == []
+
+    adopted = await asyncio.to_thread(
+        run_cli, "hub_ingest", "-c", str(config), "device", "add", "z", "--adopt"
+    )
+    assert adopted.returncode == 0, adopted.stderr
+    info = await hub.js.stream_info("CMD_z")
+    assert (info.config.metadata or {}).get("managed-by") == "hub-ingest"
+    assert not info.config.subjects  # now the device's slice of COMMANDS, as provisioned
+
+
+async def test_provision_of_an_empty_fleet_changes_nothing_the_second_time(
+    hub: Hub, tmp_path: Path
+) -> None:
+    config = write_hub_config(hub.config, tmp_path / "hub.toml")
+    first = await asyncio.to_thread(run_cli, "hub_ingest", "-c", str(config), "provision")
+    second = await asyncio.to_thread(run_cli, "hub_ingest", "-c", str(config), "provision")
+    assert first.returncode == second.returncode == 0
+    assert second.stdout.split()[1::2] == ["unchanged"] * 3, second.stdout
+
+
+def test_subject_overlap_follows_nats_wildcards() -> None:
+    assert subjects_overlap("hubin.>", "hubin.a.b")
+    assert subjects_overlap("tele.*", "tele.>")
+    assert subjects_overlap("*.a", "fleet.*")
+    assert not subjects_overlap("tele", "tele.>")
+    assert not subjects_overlap("tele.a", "tele.b")
+    assert not subjects_overlap("tele.*", "tele.a.b")
