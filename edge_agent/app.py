@@ -32,7 +32,7 @@ from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential_ji
 
 from edge_agent.commands import Executor
 from edge_agent.config import Config
-from edge_agent.errors import OutboxFull
+from edge_agent.errors import EdgeAgentError, OutboxFull
 from edge_agent.fence import CommandFence
 from edge_agent.handlers import Handler, builtin_handlers
 from edge_agent.health import LinkTracker, collect_status, heartbeat_payload
@@ -122,6 +122,7 @@ class Agent:
         )
         self._db = await StateDB.open(self.config.agent.database)
         self.outbox = Outbox(self._db, self.config.outbox.max_bytes)
+        failure: EdgeAgentError | None = None
         try:
             async with asyncio.TaskGroup() as tg:
                 self._spawn(tg, self.island.run())
@@ -129,10 +130,17 @@ class Agent:
                 self._spawn(tg, self._wait_for_shutdown())
         except* _Shutdown:
             pass
+        except* EdgeAgentError as group:
+            # The agent's own errors (a bad seed file, no nats-server) leave the task group
+            # once, as themselves: `cli.main` turns them into one line and an exit code.
+            failure = group.exceptions[0]  # type: ignore[assignment]
+            log.error("agent_failed", device_id=self.config.device_id, error=str(failure))
         finally:
             if self._recancel is not None:
                 self._recancel.cancel()
             await self._close()
+        if failure is not None:
+            raise failure
         log.info("agent_stopped", device_id=self.config.device_id)
 
     async def _wait_for_shutdown(self) -> None:

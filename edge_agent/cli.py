@@ -17,7 +17,7 @@ from edge_agent.app import Agent
 from edge_agent.config import DEFAULT_CONFIG_PATH, Config, load_config
 from edge_agent.errors import ConfigError, EdgeAgentError
 from edge_agent.health import collect_status, render_status
-from edge_agent.island import render_config, write_config
+from edge_agent.island import read_seed, render_config, write_config
 from edge_agent.logs import configure_logging
 from edge_agent.outbox import Outbox, check_subject
 from edge_agent.statedb import StateDB
@@ -133,12 +133,29 @@ def _dispatch(config: Config, args: argparse.Namespace) -> int:
         return _render(config, args.output)
     if args.command == "publish":
         return _publish(config, args.subject, args.data)
-    print(f"{args.config}: ok")
+    return _check_config(config, args.config)
+
+
+def _check_config(config: Config, path: Path) -> int:
+    """What `run` needs beyond a config that parses: the device's seed, readable by it only."""
+    credentials = config.hub.credentials
+    if credentials is None:
+        raise ConfigError("hub.credentials", "missing: the seed file `hub-ingest device add` wrote")
+    read_seed(credentials)
+    if credentials.stat().st_mode & 0o077:
+        print(
+            f"edge-agent: warning: hub.credentials: {credentials} is readable by others "
+            f"(chmod 600 it)",
+            file=sys.stderr,
+        )
+    print(f"{path}: ok")
     return EXIT_OK
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command != "run":
+        configure_logging("warning", stream=sys.stderr)
     try:
         return _dispatch(load_config(args.config), args)
     except ConfigError as exc:

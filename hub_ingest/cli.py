@@ -20,6 +20,7 @@ from hub_ingest.config import DEFAULT_CONFIG_PATH, load_hub_config
 from hub_ingest.errors import ConfigError, HubIngestError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+DAEMONS = ("run", "watch")
 COMMAND_MODULES = (provision_cli, devices_cli, report_cli, ingest_cli, commands_cli)
 
 
@@ -41,7 +42,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    configure_logging(args.log_level)
+    # The daemons log JSON lines for the journal on stdout; other commands keep stdout for
+    # their output (`--json` parses) and log to stderr.
+    daemon = args.command in DAEMONS
+    configure_logging(args.log_level, stream=None if daemon else sys.stderr)
     try:
         config = load_hub_config(args.config)
         code: int = args.handler(config, args)

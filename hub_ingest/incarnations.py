@@ -178,11 +178,13 @@ async def watch(
     interval: float = 0.5,
 ) -> None:
     """Observe each device whose leaf connection is new, until `stop` is set."""
-    registry = await Registry.open(js)
-    rounds = _Rounds(js, nc, config, registry, _Fleet(registry))
+    rounds: _Rounds | None = None
     log.info("incarnation_watch_started")
     while not stop.is_set():
         try:
+            if rounds is None:
+                registry = await Registry.open(js)
+                rounds = _Rounds(js, nc, config, registry, _Fleet(registry))
             await rounds.run(await monitor.get("/leafz"))
         except Exception as exc:  # a hub restart or a slow device: log, and try again
             log.warning("incarnation_watch_failed", error=repr(exc))

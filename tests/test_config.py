@@ -8,7 +8,7 @@ import pytest
 
 from edge_agent.cli import main
 from edge_agent.config import load_config, parse_config
-from edge_agent.errors import ConfigError, IslandError
+from edge_agent.errors import ConfigError
 from edge_agent.island import check_config, render_config
 from hub_ingest.auth import new_seed
 from tests.support.cluster import NATS_SERVER, run_cli
@@ -117,7 +117,7 @@ def test_bad_credentials_file_is_named(tmp_path: Path) -> None:
             },
         }
     )
-    with pytest.raises(IslandError, match=r"hub.credentials: .*d1.creds does not hold a NATS"):
+    with pytest.raises(ConfigError, match=r"hub.credentials: .*d1.creds does not hold a NATS"):
         render_config(config)
 
 
