@@ -32,7 +32,7 @@ from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential_ji
 
 from edge_agent.commands import Executor
 from edge_agent.config import Config
-from edge_agent.errors import EdgeAgentError, OutboxFull
+from edge_agent.errors import EdgeAgentError, OutboxError
 from edge_agent.fence import CommandFence
 from edge_agent.handlers import Handler, builtin_handlers
 from edge_agent.health import LinkTracker, collect_status, heartbeat_payload
@@ -121,7 +121,7 @@ class Agent:
             "agent_starting", device_id=self.config.device_id, mode=self.config.island.supervise
         )
         self._db = await StateDB.open(self.config.agent.database)
-        self.outbox = Outbox(self._db, self.config.outbox.max_bytes)
+        self.outbox = Outbox(self._db, self.config.outbox.max_bytes, self.config.island.max_payload)
         failure: EdgeAgentError | None = None
         try:
             async with asyncio.TaskGroup() as tg:
@@ -250,8 +250,9 @@ class Agent:
         status = await collect_status(self.config, self.island.monitor)
         subject = f"evt.{self.config.device_id}.heartbeat"
         try:
-            await self.outbox.append(subject, heartbeat_payload(status, self._started))
-        except OutboxFull as exc:
+            payload = heartbeat_payload(status, self._started)
+            await self.outbox.append(subject, payload, kind="heartbeat")
+        except OutboxError as exc:
             log.warning("heartbeat_not_queued", error=str(exc))
             return
         log.info("heartbeat_queued", healthy=status.healthy, link_up=status.link.up)

@@ -9,7 +9,7 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from edge_agent import __version__
@@ -65,6 +65,17 @@ def _parser() -> argparse.ArgumentParser:
     publish.add_argument(
         "data", nargs="?", default="", help="the payload; '-' reads it from stdin (default: empty)"
     )
+
+    dead = sub.add_parser(
+        "dead-letter",
+        help="outbox rows the island refused for good: list, retry or drop them",
+    ).add_subparsers(dest="action", required=True)
+    listing = dead.add_parser("list", help="the dead letters, oldest first")
+    listing.add_argument("--json", action="store_true", help="machine-readable output")
+    for action, text in (("retry", "queue again"), ("drop", "delete for good")):
+        which = dead.add_parser(action, help=f"{text}: the rows named, or all")
+        which.add_argument("ids", nargs="*", type=int, metavar="ID", help="dead letter ids")
+        which.add_argument("--all", action="store_true", help="every dead letter")
     return parser
 
 
@@ -92,10 +103,40 @@ def _publish(config: Config, subject: str, data: str) -> int:
 
     async def main() -> int:
         async with await StateDB.open(config.agent.database) as db:
-            return await Outbox(db, config.outbox.max_bytes).append(subject, payload)
+            return await _outbox(db, config).append(subject, payload)
 
-    print(asyncio.run(main()))
+    row = asyncio.run(main())
+    print(f"queued {len(payload)} bytes for {subject} (outbox row {row})")
     return EXIT_OK
+
+
+def _outbox(db: StateDB, config: Config) -> Outbox:
+    return Outbox(db, config.outbox.max_bytes, config.island.max_payload)
+
+
+def _dead_letter(config: Config, args: argparse.Namespace) -> int:
+    if args.action != "list" and bool(args.ids) == bool(args.all):
+        print(f"edge-agent: dead-letter {args.action}: name ids or --all", file=sys.stderr)
+        return EXIT_USAGE
+
+    async def main() -> int:
+        async with await StateDB.open(config.agent.database) as db:
+            outbox = _outbox(db, config)
+            if args.action == "list":
+                rows = await outbox.dead_letters()
+                if args.json:
+                    print(json.dumps([asdict(r) for r in rows], indent=2))
+                for r in [] if args.json else rows:
+                    print(f"{r.id:>8}  {r.subject:<32} {r.size:>9} bytes  {r.reason}")
+                return EXIT_OK
+            ids = None if args.all else args.ids
+            if args.action == "retry":
+                print(f"queued again: {await outbox.retry_dead(ids)}")
+            else:
+                print(f"dropped: {await outbox.drop_dead(ids)}")
+            return EXIT_OK
+
+    return asyncio.run(main())
 
 
 def _status(config: Config, as_json: bool, require_link: bool) -> int:
@@ -133,6 +174,8 @@ def _dispatch(config: Config, args: argparse.Namespace) -> int:
         return _render(config, args.output)
     if args.command == "publish":
         return _publish(config, args.subject, args.data)
+    if args.command == "dead-letter":
+        return _dead_letter(config, args)
     return _check_config(config, args.config)
 
 

@@ -5,6 +5,7 @@
     ├── IslandError          the local nats-server could not be rendered, started or reached
     ├── StreamError          the island refused a stream configuration
     ├── OutboxError          the outbox could not take or hand on a message
+    │   ├── TooLarge         larger than the island will ever take (CLI exit code 1)
     │   ├── OutboxFull       its byte budget is used up (CLI exit code 1)
     │   └── DrainBlocked     the island did not store a batch (down, restarting, full)
     ├── CommandRefused       a command is answered without running (rejected or expired)
@@ -64,9 +65,27 @@ class OutboxFull(OutboxError):
 
     def __init__(self, size: int, used: int, max_bytes: int) -> None:
         self.size, self.used, self.max_bytes = size, used, max_bytes
+        if size > max_bytes:
+            message = (
+                f"a {size}-byte message is larger than the outbox may ever hold for it "
+                f"({max_bytes} bytes, from outbox.max_bytes)"
+            )
+        else:
+            message = (
+                f"outbox full: {used} of {max_bytes} bytes used, a {size}-byte message does "
+                f"not fit (outbox.max_bytes; is the island down?)"
+            )
+        super().__init__(message)
+
+
+class TooLarge(OutboxError):
+    """A message the island could never store: refused before it enters the outbox."""
+
+    def __init__(self, size: int, max_payload: int) -> None:
+        self.size, self.max_payload = size, max_payload
         super().__init__(
-            f"outbox full: {used} of {max_bytes} bytes used, a {size}-byte message does not fit"
-            " (outbox.max_bytes; is the island down?)"
+            f"message too large: {size} bytes with its headers, the island takes at most "
+            f"{max_payload} (island.max_payload); it could never be sent"
         )
 
 

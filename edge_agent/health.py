@@ -221,6 +221,11 @@ async def collect_status(config: Config, monitor: Monitor | None = None) -> Stat
         problems.append(f"command mirror error: {mirror.error}")
     if box and box.bytes >= box.max_bytes * BUDGET_WARN_PCT / 100:
         problems.append(f"outbox at {box.bytes} of {box.max_bytes} bytes")
+    if box and box.dead_letters:
+        problems.append(
+            f"{box.dead_letters} outbox rows refused by the island for good "
+            f"(edge-agent dead-letter list)"
+        )
     return Status(
         device_id=config.device_id,
         island_up=healthz.get("status") == "ok",

@@ -88,6 +88,7 @@ server_name: {_q(isl.server_name)}
 listen: {_q(isl.client_listen)}
 http: {_q(isl.monitor_listen)}
 pid_file: {_q(pid_file(config))}
+max_payload: {isl.max_payload}
 
 jetstream {{
   domain: {_q(isl.domain)}

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import json
 import sqlite3
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
+from edge_agent.errors import TooLarge
 from edge_agent.outbox import Outbox
 from edge_agent.statedb import FENCE_KEY, StateDB
 
@@ -87,7 +88,16 @@ class Ledger:
                 "state = 'done', status = excluded.status, finished_at = excluded.finished_at",
                 (key, seq, result.type, result.status, received_at, result.finished_at),
             )
-            row_id = await self._outbox.insert(conn, self.subject, result.to_json())
+            try:
+                row_id = await self._outbox.insert(
+                    conn, self.subject, result.to_json(), kind="result"
+                )
+            except TooLarge as exc:
+                # The run happened: its result must reach the hub, if without its output.
+                smaller = replace(result, output=None, error=f"{result.error or ''} {exc}".strip())
+                row_id = await self._outbox.insert(
+                    conn, self.subject, smaller.to_json(), kind="result"
+                )
         self._outbox.added.set()
         return row_id
 

@@ -4,8 +4,17 @@ Results, events, heartbeats and ``edge-agent publish`` from scripts become rows;
 publishes them to the island in batches with ``Nats-Msg-Id`` = ``<file instance>-<row id>``
 and deletes a row only after its PubAck. While the island is down, restarting or refusing
 ("insufficient resources"), rows wait; a crash between PubAck and delete sends a row again,
-and the island's duplicate window drops the copy. The outbox has its own byte budget and
-raises `OutboxFull` instead of growing without bound.
+and the island's duplicate window drops the copy.
+
+The outbox has its own byte budget (`outbox.max_bytes`). `edge-agent publish` may fill only
+three quarters of it and gets `OutboxFull` beyond that: the rest is kept for what the agent
+itself must not lose. Command results are always accepted (a result refused after its handler
+ran would be lost, and there is one per command); a heartbeat that does not fit replaces the
+oldest heartbeat still queued (the newest says more). A message larger than the island takes
+(`island.max_payload`) is refused up front (`TooLarge`). A row the island refuses for a reason
+waiting cannot fix is moved to the *dead-letter* table, counted in ``status`` (which turns
+degraded) and in heartbeats, so the rows behind it keep flowing; ``edge-agent dead-letter``
+lists, retries and drops such rows.
 """
 
 from __future__ import annotations
@@ -18,19 +27,27 @@ import sqlite3
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import aiosqlite
 import nats.errors
 import structlog
 from nats.js import JetStreamContext
 from nats.js.api import PubAck
+from nats.js.errors import APIError
 from tenacity import AsyncRetrying, retry_if_exception, wait_exponential_jitter
 
-from edge_agent.errors import DrainBlocked, OutboxFull, is_retriable
+from edge_agent.errors import DrainBlocked, OutboxFull, TooLarge, is_retriable
 from edge_agent.statedb import StateDB
 
 log = structlog.get_logger(__name__)
+
+Kind = Literal["publish", "heartbeat", "result"]
+PUBLISH_SHARE = 0.75  # of outbox.max_bytes that `edge-agent publish` may fill
+# What the drainer adds to a message on the wire: the header block and its Nats-Msg-Id.
+_WIRE_OVERHEAD = 64
+# JetStream's "message size exceeds maximum allowed": waiting never fixes it.
+_PERMANENT_CODES = frozenset({10054})
 
 # Only subjects the island stores: a row for any other subject could never be acknowledged.
 _SUBJECT_RE = re.compile(r"^(tele|evt)(\.[^.\s*>]+)+$")
@@ -55,30 +72,47 @@ class Row:
 
 
 @dataclass(frozen=True, slots=True)
+class DeadLetter:
+    id: int
+    subject: str
+    size: int
+    created_at: float
+    failed_at: float
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class OutboxStats:
     depth: int
     bytes: int
     max_bytes: int
     oldest_age_s: float | None
+    dead_letters: int = 0  # rows the island refused for good, waiting for an operator
 
 
 class Outbox:
     """Rows waiting for the island, in a `StateDB`."""
 
-    def __init__(self, db: StateDB, max_bytes: int) -> None:
+    def __init__(self, db: StateDB, max_bytes: int, max_payload: int | None = None) -> None:
         self.db = db
         self.max_bytes = max_bytes
+        self.max_payload = max_payload  # None: not checked here (the island still checks)
         self.added = asyncio.Event()  # set on every append, so the drainer need not wait a poll
 
     def msg_id(self, row_id: int) -> str:
         return f"{self.db.instance}-{row_id}"
 
     async def append(
-        self, subject: str, data: bytes, headers: Mapping[str, str] | None = None
+        self,
+        subject: str,
+        data: bytes,
+        headers: Mapping[str, str] | None = None,
+        *,
+        kind: Kind = "publish",
     ) -> int:
         """Commit one message; raises `OutboxFull` when it does not fit the budget."""
         async with self.db.transaction() as conn:
-            row_id = await self.insert(conn, subject, data, headers)
+            row_id = await self.insert(conn, subject, data, headers, kind=kind)
         self.added.set()
         return row_id
 
@@ -98,16 +132,30 @@ class Outbox:
         subject: str,
         data: bytes,
         headers: Mapping[str, str] | None = None,
+        *,
+        kind: Kind = "publish",
     ) -> int:
         """Add a row inside the caller's transaction (the ledger writes results this way)."""
         check_subject(subject)
         header_text = json.dumps(dict(headers or {}), separators=(",", ":"))
+        if self.max_payload is not None:
+            wire = (
+                len(data)
+                + _WIRE_OVERHEAD
+                + sum(len(k) + len(v) + 4 for k, v in (headers or {}).items())
+            )
+            if wire > self.max_payload:
+                raise TooLarge(wire, self.max_payload)
         size = len(subject) + len(header_text) + len(data)
-        async with conn.execute("SELECT bytes FROM outbox_usage WHERE id = 1") as cur:
-            row = await cur.fetchone()
-        used = int(row[0]) if row else 0
-        if used + size > self.max_bytes:
-            raise OutboxFull(size, used, self.max_bytes)
+        used = await _used(conn)
+        limit = self.max_bytes if kind != "publish" else int(self.max_bytes * PUBLISH_SHARE)
+        if used + size > limit:
+            if kind == "publish":
+                raise OutboxFull(size, used, limit)
+            if kind == "heartbeat":
+                await _replace_heartbeats(conn, subject, used + size - limit)
+            else:
+                log.warning("outbox_over_budget", kind=kind, used=used, max_bytes=limit)
         cur = await conn.execute(
             "INSERT INTO outbox (subject, headers, data, size, created_at) VALUES (?, ?, ?, ?, ?)",
             (subject, header_text, data, size, time.time()),
@@ -138,19 +186,87 @@ class Outbox:
         rows = await self.db.fetchall(STATS_SQL)
         return _stats(rows[0], self.max_bytes)
 
+    async def dead_letter(self, row: Row, reason: str) -> None:
+        """Move `row` aside: the island refused it for good, and the rows behind must flow."""
+        async with self.db.transaction() as conn:
+            await conn.execute(
+                "INSERT OR REPLACE INTO dead_letter SELECT id, subject, headers, data, size, "
+                "created_at, ?, ? FROM outbox WHERE id = ?",
+                (time.time(), reason, row.id),
+            )
+            await conn.execute("DELETE FROM outbox WHERE id = ?", (row.id,))
+        log.error("outbox_row_dead_lettered", row=row.id, subject=row.subject, reason=reason)
+
+    async def dead_letters(self) -> list[DeadLetter]:
+        rows = await self.db.fetchall(
+            "SELECT id, subject, size, created_at, failed_at, reason FROM dead_letter ORDER BY id"
+        )
+        return [DeadLetter(*r) for r in rows]
+
+    async def retry_dead(self, ids: Sequence[int] | None) -> int:
+        """Queue dead letters again (all when `ids` is None), as new rows; how many."""
+        where, params = _which(ids)
+        async with self.db.transaction() as conn:
+            cur = await conn.execute(
+                "INSERT INTO outbox (subject, headers, data, size, created_at) "
+                f"SELECT subject, headers, data, size, created_at FROM dead_letter {where} "
+                "ORDER BY id",
+                params,
+            )
+            await conn.execute(f"DELETE FROM dead_letter {where}", params)
+        self.added.set()
+        return cur.rowcount
+
+    async def drop_dead(self, ids: Sequence[int] | None) -> int:
+        """Forget dead letters for good (all when `ids` is None); how many."""
+        where, params = _which(ids)
+        async with self.db.transaction() as conn:
+            cur = await conn.execute(f"DELETE FROM dead_letter {where}", params)
+        log.warning("outbox_dead_letters_dropped", rows=cur.rowcount)
+        return cur.rowcount
+
+
+def _which(ids: Sequence[int] | None) -> tuple[str, tuple[int, ...]]:
+    if ids is None:
+        return "", ()
+    return f"WHERE id IN ({', '.join('?' * len(ids))})", tuple(ids)
+
+
+async def _used(conn: aiosqlite.Connection) -> int:
+    async with conn.execute("SELECT bytes FROM outbox_usage WHERE id = 1") as cur:
+        row = await cur.fetchone()
+    return int(row[0]) if row else 0
+
+
+async def _replace_heartbeats(conn: aiosqlite.Connection, subject: str, needed: int) -> None:
+    """Delete the oldest queued heartbeats until `needed` bytes are free (or none are left)."""
+    freed = 0
+    while freed < needed:
+        async with conn.execute(
+            "SELECT id, size FROM outbox WHERE subject = ? ORDER BY id LIMIT 1", (subject,)
+        ) as cur:
+            row = await cur.fetchone()
+        if row is None:
+            return
+        await conn.execute("DELETE FROM outbox WHERE id = ?", (row[0],))
+        freed += int(row[1])
+        log.info("heartbeat_replaced", row=row[0])
+
 
 STATS_SQL = (
-    "SELECT rows, bytes, (SELECT MIN(created_at) FROM outbox) FROM outbox_usage WHERE id = 1"
+    "SELECT rows, bytes, (SELECT MIN(created_at) FROM outbox), "
+    "(SELECT COUNT(*) FROM dead_letter) FROM outbox_usage WHERE id = 1"
 )
 
 
 def _stats(row: Sequence[Any], max_bytes: int) -> OutboxStats:
-    depth, used, oldest = row
+    depth, used, oldest, dead = row
     return OutboxStats(
         depth=int(depth),
         bytes=int(used),
         max_bytes=max_bytes,
         oldest_age_s=round(time.time() - float(oldest), 3) if oldest is not None else None,
+        dead_letters=int(dead),
     )
 
 
@@ -160,6 +276,13 @@ def read_stats(conn: sqlite3.Connection, max_bytes: int) -> OutboxStats:
 
 
 _Batch = tuple[list[Row], list["asyncio.Future[PubAck]"]]
+
+
+def _permanent(error: BaseException) -> bool:
+    """A refusal that waiting cannot fix: the row goes to the dead letters."""
+    if isinstance(error, nats.errors.MaxPayloadError):
+        return True
+    return isinstance(error, APIError) and error.err_code in _PERMANENT_CODES
 
 
 class Drainer:
@@ -219,7 +342,7 @@ class Drainer:
                     published = None
                     if rows:
                         after = rows[-1].id
-                        published = (rows, await self._publish(rows))
+                        published = await self._publish(rows)
                     if inflight is not None:
                         sent += await self._settle(*inflight)
                     inflight = published
@@ -246,19 +369,27 @@ class Drainer:
                     return False
                 await asyncio.sleep(0.1)
 
-    async def _publish(self, rows: list[Row]) -> list[asyncio.Future[PubAck]]:
+    async def _publish(self, rows: list[Row]) -> _Batch:
+        """Publish `rows`; the ones handed to the island and their PubAck futures."""
+        sent: list[Row] = []
         futures: list[asyncio.Future[PubAck]] = []
         try:
             for row in rows:
                 headers = {**row.headers, "Nats-Msg-Id": self.outbox.msg_id(row.id)}
-                futures.append(await self._js.publish_async(row.subject, row.data, headers=headers))
+                try:
+                    future = await self._js.publish_async(row.subject, row.data, headers=headers)
+                except nats.errors.MaxPayloadError as exc:
+                    await self.outbox.dead_letter(row, f"larger than the island takes: {exc}")
+                    continue
+                sent.append(row)
+                futures.append(future)
         except (nats.errors.Error, OSError) as exc:
             for future in futures:
                 future.cancel()
             raise DrainBlocked(
                 f"cannot publish to the island: {exc or type(exc).__name__}"
             ) from exc
-        return futures
+        return sent, futures
 
     async def _settle(self, rows: list[Row], futures: list[asyncio.Future[PubAck]]) -> int:
         """Wait for the PubAcks of `rows`, delete the acknowledged ones; how many."""
@@ -266,19 +397,43 @@ class Drainer:
         for future in pending:
             future.cancel()
         acked = []
+        dead = 0
         failure: BaseException | None = None
         for row, future in zip(rows, futures, strict=True):
             if future.cancelled():
-                continue
-            if (error := future.exception()) is not None:
+                # Ask again, until one row fails: a down island would make every probe wait.
+                error = TimeoutError("no PubAck in time") if failure else await self._probe(row)
+            else:
+                error = future.exception()
+            if error is None:
+                acked.append(row.id)
+            elif _permanent(error):
+                await self.outbox.dead_letter(row, f"refused by the island: {error}")
+                dead += 1
+            else:
                 failure = failure or error
-                continue
-            acked.append(row.id)
         if acked:
             await self.outbox.remove(acked)
-        if len(acked) < len(rows):
-            reason = (str(failure) or type(failure).__name__) if failure else "no PubAck in time"
+        if failure is not None:
+            reason = str(failure) or type(failure).__name__
             raise DrainBlocked(
-                f"{len(rows) - len(acked)} of {len(rows)} rows not stored by the island: {reason}"
+                f"{len(rows) - len(acked) - dead} of {len(rows)} rows not stored by the island: "
+                f"{reason}"
             )
         return len(acked)
+
+    async def _probe(self, row: Row) -> BaseException | None:
+        """Send one row whose PubAck did not come, and wait for its answer; the error if any.
+
+        nats-py 2.16 never completes a `publish_async` future whose PubAck is an error (its
+        reply handler raises instead), so a refused row would look like a slow island forever.
+        The island drops the copy of a row it did store, by its Nats-Msg-Id.
+        """
+        headers = {**row.headers, "Nats-Msg-Id": self.outbox.msg_id(row.id)}
+        try:
+            await self._js.publish(
+                row.subject, row.data, timeout=self._ack_timeout, headers=headers
+            )
+        except (nats.errors.Error, APIError, TimeoutError) as exc:
+            return exc
+        return None

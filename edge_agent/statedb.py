@@ -45,6 +45,19 @@ END;
 CREATE TRIGGER IF NOT EXISTS outbox_removed AFTER DELETE ON outbox BEGIN
     UPDATE outbox_usage SET rows = rows - 1, bytes = bytes - OLD.size WHERE id = 1;
 END;
+-- Rows the island refused for a reason that waiting cannot fix (too large for it): moved
+-- here, so that the rows behind them keep flowing; `edge-agent dead-letter` lists, retries
+-- and drops them.
+CREATE TABLE IF NOT EXISTS dead_letter (
+    id INTEGER PRIMARY KEY,      -- the outbox row id it had
+    subject TEXT NOT NULL,
+    headers TEXT NOT NULL,
+    data BLOB NOT NULL,
+    size INTEGER NOT NULL,
+    created_at REAL NOT NULL,
+    failed_at REAL NOT NULL,
+    reason TEXT NOT NULL
+);
 CREATE TABLE IF NOT EXISTS ledger (
     key TEXT PRIMARY KEY,        -- the command id, or "@seq:<n>" when it has none
     seq INTEGER NOT NULL,        -- the hub COMMANDS sequence (mirrors keep it)

@@ -87,6 +87,8 @@ class DeviceReport:
     # Readings the device's telemetry budget forced out, as of its latest heartbeat (None:
     # no heartbeat, or one without the figure): some may never have reached the hub.
     telemetry_dropped: int | None
+    # Outbox rows the device's island refused for good, as of its latest heartbeat.
+    dead_letters: int | None
     commands: CommandCounts
     last_error: CommandError | None
     flags: tuple[str, ...]  # "never_seen" or "silent"
@@ -313,12 +315,12 @@ def _beat_sender(subject: str, heartbeat: Mapping[str, Any]) -> Attribution:
     return attribute(subject, _beat_body(heartbeat), "heartbeat")
 
 
-def _telemetry_dropped(heartbeat: Mapping[str, Any] | None) -> int | None:
-    """``streams.TELEMETRY.dropped`` of a heartbeat as returned by ``STREAM.MSG.GET``."""
-    streams = (_beat_body(heartbeat) or {}).get("streams")
-    telemetry = streams.get("TELEMETRY") if isinstance(streams, dict) else None
-    dropped = telemetry.get("dropped") if isinstance(telemetry, dict) else None
-    return dropped if isinstance(dropped, int) and not isinstance(dropped, bool) else None
+def _beat_figure(heartbeat: Mapping[str, Any] | None, *path: str) -> int | None:
+    """A count at `path` in a heartbeat as returned by ``STREAM.MSG.GET`` (None: absent)."""
+    value: object = _beat_body(heartbeat)
+    for key in path:
+        value = value.get(key) if isinstance(value, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _commands(msgs: Iterable[Msg]) -> list[_Command]:
@@ -540,7 +542,8 @@ async def collect_report(
                 last_heartbeat_at=format_time(beat_at) if beat_at else None,
                 last_heartbeat_age_s=beat_age,
                 last_seen_s=last_seen,
-                telemetry_dropped=_telemetry_dropped(heartbeat),
+                telemetry_dropped=_beat_figure(heartbeat, "streams", "TELEMETRY", "dropped"),
+                dead_letters=_beat_figure(heartbeat, "outbox", "dead_letters"),
                 commands=counts,
                 last_error=last_error,
                 flags=_flags(last_seen, silent_after),
@@ -549,4 +552,10 @@ async def collect_report(
             )
         )
     warnings.extend(forged.warnings())
+    warnings.extend(
+        f"device {d.device_id} has {d.dead_letters} outbox rows its island refused for good "
+        f"(edge-agent dead-letter list, on the device)"
+        for d in reports
+        if d.dead_letters
+    )
     return FleetReport(format_time(now), silent_after, tuple(reports), tuple(warnings))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -13,9 +15,14 @@ from nats.aio.client import Client
 from nats.js.api import StreamConfig
 
 from edge_agent.errors import OutboxFull
+from edge_agent.health import collect_status
+from edge_agent.ledger import Ledger, Result
 from edge_agent.outbox import Drainer, Outbox
 from edge_agent.statedb import StateDB
-from tests.support.cluster import NatsServer, free_port, run_cli, stream_messages
+from hub_ingest.registry import Registry
+from hub_ingest.report import collect_report
+from tests.support.cluster import Hub, NatsServer, free_port, run_cli, stream_messages
+from tests.support.commands import results, send_command
 from tests.support.waiting import eventually
 
 
@@ -96,8 +103,9 @@ async def test_full_outbox_refuses_with_the_budget_in_the_message(tmp_path: Path
     """Past its budget the outbox raises, and ``edge-agent publish`` exits 1 saying so."""
     async with await StateDB.open(tmp_path / "state" / "agent.sqlite3") as db:
         outbox = Outbox(db, max_bytes=1000)
-        await outbox.append("evt.d.x", b"x" * 900)
-        with pytest.raises(OutboxFull, match=r"outbox full: 9\d\d of 1000 bytes used"):
+        await outbox.append("evt.d.x", b"x" * 700)
+        # Scripts may fill three quarters: the rest is kept for results and heartbeats.
+        with pytest.raises(OutboxFull, match=r"outbox full: 7\d\d of 750 bytes used"):
             await outbox.append("evt.d.x", b"x" * 200)
         assert (await outbox.stats()).depth == 1
 
@@ -109,7 +117,7 @@ async def test_full_outbox_refuses_with_the_budget_in_the_message(tmp_path: Path
     )
     ok = run_cli("edge_agent", "-c", str(config), "publish", "evt.d.note", "small")
     assert ok.returncode == 0, ok.stderr
-    full = run_cli("edge_agent", "-c", str(config), "publish", "evt.d.note", "y" * 500)
+    full = run_cli("edge_agent", "-c", str(config), "publish", "evt.d.note", "y" * 700)
     assert full.returncode == 1
     assert "outbox full" in full.stderr and "outbox.max_bytes" in full.stderr
     bad = run_cli("edge_agent", "-c", str(config), "publish", "cmd.d.ping", "x")
@@ -129,3 +137,123 @@ async def test_message_ids_are_unique_across_recreated_files(tmp_path: Path) -> 
 
 async def _depth_below(outbox: Outbox, n: int) -> bool:
     return (await outbox.stats()).depth < n
+
+
+def _agent_toml(tmp_path: Path, extra: str = "") -> Path:
+    config = tmp_path / "agent.toml"
+    config.write_text(
+        f'device_id = "d"\n[agent]\nstate_dir = "{tmp_path / "state"}"\n'
+        '[island]\nmax_file_store = "1GiB"\n[hub]\nurls = ["nats-leaf://127.0.0.1:7422"]\n' + extra
+    )
+    return config
+
+
+def test_publish_refuses_what_the_island_could_never_take(tmp_path: Path) -> None:
+    """Larger than island.max_payload: exit 1 naming the limit, nothing queued; larger than
+    the outbox's share: exit 1 naming outbox.max_bytes, without blaming the island."""
+    config = _agent_toml(tmp_path, "[outbox]\nmax_bytes = 4000\n")
+    big = subprocess.run(
+        [sys.executable, "-m", "edge_agent", "-c", str(config), "publish", "evt.d.blob", "-"],
+        input=b"x" * (2 * 1024**2),
+        capture_output=True,
+        check=False,
+        timeout=60,
+    )
+    assert big.returncode == 1
+    assert b"island.max_payload" in big.stderr and b"1048576" in big.stderr
+    assert b"Traceback" not in big.stderr
+    over = run_cli("edge_agent", "-c", str(config), "publish", "evt.d.blob", "y" * 3500)
+    assert over.returncode == 1
+    assert "outbox.max_bytes" in over.stderr and "island down" not in over.stderr
+    ok = run_cli("edge_agent", "-c", str(config), "publish", "evt.d.note", "small")
+    assert ok.returncode == 0 and "queued 5 bytes for evt.d.note" in ok.stdout
+
+
+async def test_rows_the_island_refuses_for_good_are_set_aside_and_the_rest_flow(
+    island: NatsServer, tmp_path: Path
+) -> None:
+    """A row over the island's max_payload and one over the stream's max_msg_size go to the
+    dead letters; the rows behind them arrive; the CLI lists, retries and drops them."""
+    nc = await _connect(island.url)  # type: ignore[attr-defined]
+    js = nc.jetstream()
+    await js.add_stream(StreamConfig(name="EVENTS", subjects=["evt.>"], max_msg_size=4096))
+    config = _agent_toml(tmp_path)
+    async with await StateDB.open(tmp_path / "state" / "agent.sqlite3") as db:
+        outbox = Outbox(db, max_bytes=64 * 1024**2)  # no max_payload: as rows queued earlier
+        await outbox.append("evt.d.huge", b"h" * (2 * 1024**2))
+        await outbox.append("evt.d.big", b"b" * 8000)
+        await outbox.append("evt.d.result", b"after", kind="result")
+        await outbox.append("evt.d.heartbeat", b"beat", kind="heartbeat")
+        assert await Drainer(outbox, js, ack_timeout=2.0).flush(timeout=20)
+        stats = await outbox.stats()
+        assert (stats.depth, stats.dead_letters) == (0, 2)
+
+    assert [m.data for m in await stream_messages(js, "EVENTS")] == [b"after", b"beat"]
+    listed = run_cli("edge_agent", "-c", str(config), "dead-letter", "list", "--json")
+    assert listed.returncode == 0, listed.stderr
+    rows = json.loads(listed.stdout)
+    assert [r["subject"] for r in rows] == ["evt.d.huge", "evt.d.big"]
+    assert "larger than the island takes" in rows[0]["reason"]
+    assert "refused by the island" in rows[1]["reason"]
+    retried = run_cli("edge_agent", "-c", str(config), "dead-letter", "retry", str(rows[1]["id"]))
+    assert retried.returncode == 0 and "queued again: 1" in retried.stdout
+    usage = run_cli("edge_agent", "-c", str(config), "dead-letter", "drop")
+    assert usage.returncode == 2
+    dropped = run_cli("edge_agent", "-c", str(config), "dead-letter", "drop", "--all")
+    assert dropped.returncode == 0 and "dropped: 1" in dropped.stdout
+    async with await StateDB.open(tmp_path / "state" / "agent.sqlite3") as db:
+        stats = await Outbox(db, max_bytes=64 * 1024**2).stats()
+        assert (stats.depth, stats.dead_letters) == (1, 0)  # the retried row waits again
+    await nc.close()
+
+
+async def test_a_full_outbox_still_takes_results_and_heartbeats(tmp_path: Path) -> None:
+    """Scripts fill their share; a command result is still recorded with its ledger row, and a
+    heartbeat replaces the oldest queued heartbeat instead of being lost."""
+    async with await StateDB.open(tmp_path / "agent.sqlite3") as db:
+        outbox = Outbox(db, max_bytes=2000)
+        while True:
+            try:
+                await outbox.append("evt.d.note", b"n" * 100)
+            except OutboxFull:
+                break
+        ledger = Ledger(db, outbox, "d")
+        await ledger.start("c1", 1, "ping", "2026-01-01T00:00:00Z")
+        result = Result("c1", "d", "ok", {"pong": True}, None, "t0", "t1", "ping", 1)
+        await ledger.finish("c1", 1, result, "2026-01-01T00:00:00Z")
+        for i in range(40):
+            await outbox.append("evt.d.heartbeat", f"beat {i:02d}".encode() * 4, kind="heartbeat")
+        rows = await outbox.batch(1000)
+        assert (await ledger.unfinished()) == []
+    subjects = [r.subject for r in rows]
+    assert subjects.count("evt.d.result") == 1
+    beats = [r.data for r in rows if r.subject == "evt.d.heartbeat"]
+    assert beats and beats[-1] == b"beat 39" * 4  # the newest kept, older ones replaced
+    assert len(beats) < 40
+
+
+async def test_a_dead_letter_degrades_status_and_shows_in_the_fleet_report(hub: Hub) -> None:
+    """A row queued before a smaller max_payload (here: written past the CLI's check) is set
+    aside by the running agent; the command result behind it still reaches the hub, status
+    turns degraded, and the hub's report shows the count from the next heartbeat."""
+    a = await hub.device("a", heartbeat_interval="1s")
+    async with await StateDB.open(a.config.agent.database) as db:
+        await Outbox(db, a.config.outbox.max_bytes).append("evt.a.blob", b"x" * (2 * 1024**2))
+    command = await send_command(hub, "a", "ping")
+    await eventually(lambda: _answered(hub, command.id), timeout=60, what="the ping's result")
+
+    async def degraded() -> list[str]:
+        return [p for p in (await collect_status(a.config)).problems if "dead-letter" in p]
+
+    assert await eventually(degraded, timeout=30, what="status degraded")
+
+    async def reported() -> int | None:
+        devices = await (await Registry.open(hub.js)).list()
+        report = await collect_report(hub.nc, hub.config, devices, silent_after=3600)
+        return report.devices[0].dead_letters
+
+    assert await eventually(reported, timeout=60, what="dead letter in the report") == 1
+
+
+async def _answered(hub: Hub, command_id: str) -> bool:
+    return command_id in await results(hub.js, "FLEET_EVENTS")
