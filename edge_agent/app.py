@@ -35,10 +35,11 @@ from edge_agent.config import Config
 from edge_agent.errors import EdgeAgentError, OutboxError
 from edge_agent.fence import CommandFence
 from edge_agent.handlers import Handler, builtin_handlers
-from edge_agent.health import LinkTracker, collect_status, heartbeat_payload
+from edge_agent.health import LinkTracker, collect_status, heartbeat_payload, write_clock
+from edge_agent.hubclock import HubClock
 from edge_agent.island import Island
 from edge_agent.ledger import Ledger
-from edge_agent.naming import inbox_prefix
+from edge_agent.naming import command_stream, inbox_prefix
 from edge_agent.notify import Notifier
 from edge_agent.outbox import Drainer, Outbox
 from edge_agent.resume import FastResume
@@ -49,6 +50,7 @@ log = structlog.get_logger(__name__)
 
 
 _STRAGGLER_GRACE_S = 5.0  # after the TaskGroup's cancel, before cancelling again
+CLOCK_SYNC_S = 60.0  # while the link is up; and at once whenever it comes up
 
 
 class _Shutdown(Exception):
@@ -102,6 +104,7 @@ class Agent:
         self.handlers = builtin_handlers() if handlers is None else handlers
         self.notifier = notifier or Notifier()
         self.restart_requested = False
+        self.clock = HubClock()
         self.outbox: Outbox | None = None
         self.drainer: Drainer | None = None
         self.executor: Executor | None = None
@@ -183,7 +186,13 @@ class Agent:
         ledger = Ledger(self._db, self.outbox, self.config.device_id)
         fence = CommandFence(self._db, self.config.device_id)
         executor = Executor(
-            self.config, ledger, self.handlers, js, fence=fence, on_restart=self._restart
+            self.config,
+            ledger,
+            self.handlers,
+            js,
+            fence=fence,
+            clock=self.clock,
+            on_restart=self._restart,
         )
         self.executor = executor
         hub_js = self._nc.jetstream(domain=self.config.hub.domain, timeout=2.0)
@@ -193,6 +202,7 @@ class Agent:
         self._spawn(tg, self._every(self.config.agent.link_poll_interval, self.link.poll))
         self._spawn(tg, self.drainer.run())
         self._spawn(tg, self._every(self.config.agent.heartbeat_interval, self._heartbeat))
+        self._spawn(tg, self._sync_clock(self._nc))
         self._spawn(tg, self._after_ready(executor.run))
         if self.config.commands.fast_resume:
             resume = FastResume(self.config, js, hub_js, self.link, executor)
@@ -256,6 +266,24 @@ class Agent:
             log.warning("heartbeat_not_queued", error=str(exc))
             return
         log.info("heartbeat_queued", healthy=status.healthy, link_up=status.link.up)
+
+    async def _sync_clock(self, nc: Client) -> None:
+        """Learn the hub's time whenever the link comes up, and every minute while it is."""
+        subject = (
+            f"{self.config.hub.api_prefix}.STREAM.INFO.{command_stream(self.config.device_id)}"
+        )
+        while True:
+            await self.link.is_up.wait()
+            try:
+                await self.clock.sync(nc, subject)
+            except (nats.errors.Error, TimeoutError, ValueError) as exc:
+                log.debug("clock_sync_failed", error=repr(exc))
+                await asyncio.sleep(1.0)
+                continue
+            await asyncio.to_thread(write_clock, self.config, self.clock.offset_s)
+            log.info("clock_synced", offset_s=self.clock.offset_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.link.is_down.wait(), CLOCK_SYNC_S)
 
     async def _watchdog(self, interval: float) -> None:
         """``WATCHDOG=1`` only while a real check passes; systemd restarts a hung agent."""

@@ -40,6 +40,7 @@ from edge_agent.errors import CommandFailed, CommandRefused
 from edge_agent.fence import CommandFence
 from edge_agent.handlers import Handler, HandlerContext
 from edge_agent.health import utc_now_iso
+from edge_agent.hubclock import HubClock
 from edge_agent.ledger import Ledger, Result, ResultStatus
 from edge_agent.streams import COMMANDS
 
@@ -62,6 +63,7 @@ class Incoming:
     data: bytes
     headers: Mapping[str, str]
     via: Literal["mirror", "hub"]
+    stored_at: datetime | None = None  # the hub's store time (a mirror keeps it too)
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,9 +117,16 @@ def command_id(item: Incoming, max_payload: int) -> str | None:
 
 
 def parse_command(
-    item: Incoming, device_id: str, max_payload: int, known: Mapping[str, object], now: datetime
+    item: Incoming,
+    device_id: str,
+    max_payload: int,
+    known: Mapping[str, object],
+    now: datetime | None,
 ) -> Command:
-    """The validated command, or `CommandRefused` naming the first field that is wrong."""
+    """The validated command, or `CommandRefused` naming the first field that is wrong.
+
+    `now` is the hub's time (`edge_agent.hubclock`), never the device's clock alone; None
+    (nothing heard from the hub) expires nothing."""
     body = _envelope(item, max_payload)
     if "id" not in body:
         raise CommandRefused("id", "missing")
@@ -141,10 +150,11 @@ def parse_command(
         raise CommandRefused("issued_at", "missing")
     issued_at = _time("issued_at", body["issued_at"])
     expires_at = _time("expires_at", body["expires_at"]) if body.get("expires_at") else None
-    if expires_at is not None and expires_at <= now:
+    if expires_at is not None and now is not None and expires_at <= now:
         raise CommandRefused(
             "expires_at",
-            f"expired at {expires_at.isoformat()}, received {now.isoformat(timespec='seconds')}",
+            f"expired at {expires_at.isoformat()}, received at "
+            f"{now.isoformat(timespec='seconds')} on the hub's clock",
             status="expired",
         )
     if type_ not in known:
@@ -174,11 +184,13 @@ class Executor:
         js: JetStreamContext,
         *,
         fence: CommandFence,
+        clock: HubClock,
         on_restart: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self._config = config
         self._ledger = ledger
         self._fence = fence
+        self._clock = clock
         self._handlers = handlers
         self._js = js
         self._on_restart = on_restart
@@ -256,7 +268,14 @@ class Executor:
 
     async def _handle(self, msg: Msg) -> None:
         meta = msg.metadata
-        item = Incoming(meta.sequence.stream, msg.subject, msg.data, msg.headers or {}, "mirror")
+        item = Incoming(
+            meta.sequence.stream,
+            msg.subject,
+            msg.data,
+            msg.headers or {},
+            "mirror",
+            meta.timestamp,
+        )
         async with self._working():
             try:
                 done = await self.process(item)
@@ -301,7 +320,9 @@ class Executor:
                 log.debug("command_duplicate", key=key, seq=item.seq, via=item.via)
                 return True
             received = utc_now_iso()
-            now = datetime.now(UTC)
+            if item.stored_at is not None:
+                self._clock.saw(item.stored_at)
+            now = self._clock.now()
             try:
                 _check_fence(item, self._fence.value)
                 command = parse_command(

@@ -75,6 +75,9 @@ class Status:
     commands: CommandStats | None = None
     problems: list[str] = field(default_factory=list)
     checked_at: str = ""
+    # Hub minus device clock at the agent's last sync with the hub (None: not synced since the
+    # agent started); see `edge_agent.hubclock`.
+    clock_offset_s: float | None = None
 
     @property
     def healthy(self) -> bool:
@@ -88,6 +91,15 @@ class Status:
 
 def utc_now_iso() -> str:
     return format_time(datetime.now(UTC))
+
+
+def clock_path(config: Config) -> Path:
+    """Where the agent keeps its last clock sync with the hub, for ``status``."""
+    return config.agent.state_dir / "clock.json"
+
+
+def write_clock(config: Config, offset_s: float | None) -> None:
+    _write_json(clock_path(config), {"offset_s": offset_s, "synced_at": utc_now_iso()})
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
@@ -184,6 +196,8 @@ async def collect_status(config: Config, monitor: Monitor | None = None) -> Stat
     """Read the island's state into a `Status`; never raises for an island that is down."""
     monitor = monitor or Monitor(config.island.monitor_url)
     saved = _read_json(config.agent.state_dir / "link.json")
+    clock = (_read_json(clock_path(config)) or {}).get("offset_s")
+    offset = float(clock) if isinstance(clock, int | float) else None
     local = await asyncio.to_thread(_local_state, config)
     box, cmds = local if local else (None, None)
     try:
@@ -199,6 +213,7 @@ async def collect_status(config: Config, monitor: Monitor | None = None) -> Stat
             commands=cmds,
             problems=[f"island unreachable: {exc}"],
             checked_at=utc_now_iso(),
+            clock_offset_s=offset,
         )
     since = saved.get("since") if saved and saved.get("up") == leaf_up else None
     problems: list[str] = []
@@ -236,6 +251,7 @@ async def collect_status(config: Config, monitor: Monitor | None = None) -> Stat
         commands=cmds,
         problems=problems,
         checked_at=utc_now_iso(),
+        clock_offset_s=offset,
     )
 
 

@@ -77,7 +77,9 @@ class FastResume:
                 continue
             if msg is not None:
                 assert msg.seq is not None and msg.subject is not None
-                item = Incoming(msg.seq, msg.subject, msg.data or b"", msg.headers or {}, "hub")
+                item = Incoming(
+                    msg.seq, msg.subject, msg.data or b"", msg.headers or {}, "hub", msg.time
+                )
                 if await self._executor.process(item):
                     ran += 1
                 cursor = msg.seq

@@ -54,3 +54,24 @@ def parse_duration(value: object) -> float:
 def format_time(moment: datetime) -> str:
     """RFC 3339 in UTC with milliseconds and a ``Z``, as every timestamp we write looks."""
     return moment.astimezone(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def parse_time(value: object) -> datetime | None:
+    """A timestamp from JetStream (RFC 3339, nanoseconds) or an envelope (ISO or epoch)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int | float):
+        return datetime.fromtimestamp(value, UTC)
+    if not isinstance(value, str) or not value:
+        return None
+    text = value.strip().replace("Z", "+00:00")
+    # Python takes at most microseconds; JetStream writes nanoseconds.
+    head, dot, rest = text.partition(".")
+    if dot:
+        digits = len(rest) - len(rest.lstrip("0123456789"))
+        text = f"{head}.{rest[: min(digits, 6)]}{rest[digits:]}"
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError:
+        return None
+    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)

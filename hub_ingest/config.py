@@ -73,6 +73,8 @@ class IngestConfig:
     messages_per_partition: int
     fail_on_data_loss: bool
     payload_schema: str | None  # Spark DDL of JSON payloads, e.g. "temp DOUBLE, unit STRING"
+    # A device clock further than this from the hub's marks its rows' device_time suspect.
+    clock_tolerance: float = 120.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,6 +163,7 @@ def _parse(data: dict[str, Any], source: Path | None) -> HubConfig:
         messages_per_partition=ing.get("messages_per_partition", positive_int, 50_000),
         fail_on_data_loss=ing.get("fail_on_data_loss", _boolean, True),
         payload_schema=ing.get("payload_schema", string, None),
+        clock_tolerance=ing.get("clock_tolerance", parse_duration, 120.0),
     )
     ing.finish()
     root.finish()

@@ -110,6 +110,7 @@ def archive_rows(spark: SparkSession, config: HubConfig, streams: list[str]) -> 
         .option("maxMessagesPerTrigger", str(ingest.max_messages_per_trigger))
         .option("messagesPerPartition", str(ingest.messages_per_partition))
         .option("failOnDataLoss", str(ingest.fail_on_data_loss).lower())
+        .option("clockTolerance", str(ingest.clock_tolerance))
     )
     if config.nats.credentials is not None:
         reader = reader.option("credentials", str(config.nats.credentials))
@@ -118,8 +119,10 @@ def archive_rows(spark: SparkSession, config: HubConfig, streams: list[str]) -> 
         typed = _payload_schema(ingest.payload_schema)
         parsed = F.from_json(F.col("payload").cast("string"), typed)
         rows = rows.select("*", *(parsed[f.name].alias(f.name) for f in typed.fields))
-    # A reading buffered offline for days belongs to the day the device stored it.
-    day = F.to_date(F.coalesce(F.col("device_time"), F.col("hub_time")))
+    # A reading buffered offline for days belongs to the day the device stored it, unless the
+    # device's clock is not to be trusted.
+    stored = F.when(F.col("device_time_suspect"), F.lit(None)).otherwise(F.col("device_time"))
+    day = F.to_date(F.coalesce(stored, F.col("hub_time")))
     return rows.withColumn(PARTITION_COLUMN, day)
 
 

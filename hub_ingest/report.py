@@ -33,7 +33,7 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
-from edge_agent.units import format_time
+from edge_agent.units import format_time, parse_time
 from hub_ingest.commands import Attribution, attribute, supersedes
 from hub_ingest.config import HubConfig
 from hub_ingest.errors import ReportError
@@ -176,27 +176,6 @@ class FleetReport:
             ],
             "warnings": list(self.warnings),
         }
-
-
-def parse_time(value: object) -> datetime | None:
-    """A timestamp from JetStream (RFC 3339, nanoseconds) or an envelope (ISO or epoch)."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int | float):
-        return datetime.fromtimestamp(value, UTC)
-    if not isinstance(value, str) or not value:
-        return None
-    text = value.strip().replace("Z", "+00:00")
-    # Python takes at most microseconds; JetStream writes nanoseconds.
-    head, dot, rest = text.partition(".")
-    if dot:
-        digits = len(rest) - len(rest.lstrip("0123456789"))
-        text = f"{head}.{rest[: min(digits, 6)]}{rest[digits:]}"
-    try:
-        moment = datetime.fromisoformat(text)
-    except ValueError:
-        return None
-    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
 
 
 class HubApi:

@@ -57,6 +57,7 @@ FORMAT = "jetstream"
 SCHEMA = (
     "device_id STRING, incarnation STRING, subject STRING, device_seq BIGINT, "
     "hub_stream STRING, hub_seq BIGINT, device_time TIMESTAMP, hub_time TIMESTAMP, "
+    "device_clock_offset_s DOUBLE, device_time_suspect BOOLEAN, "
     "headers MAP<STRING, STRING>, payload BINARY"
 )
 ARROW_SCHEMA = pa.schema(
@@ -69,6 +70,8 @@ ARROW_SCHEMA = pa.schema(
         ("hub_seq", pa.int64()),
         ("device_time", pa.timestamp("us", tz="UTC")),
         ("hub_time", pa.timestamp("us", tz="UTC")),
+        ("device_clock_offset_s", pa.float64()),
+        ("device_time_suspect", pa.bool_()),
         ("headers", pa.map_(pa.string(), pa.string())),
         ("payload", pa.binary()),
     ]
@@ -91,6 +94,7 @@ class SourceOptions:
     max_messages_per_trigger: int | None = None
     messages_per_partition: int = 50_000
     fail_on_data_loss: bool = True
+    clock_tolerance: float = 120.0  # seconds; see `_suspect`
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> SourceOptions:
@@ -121,11 +125,22 @@ class SourceOptions:
             max_messages_per_trigger=count("maxmessagespertrigger"),
             messages_per_partition=count("messagesperpartition") or 50_000,
             fail_on_data_loss=fail == "true",
+            clock_tolerance=_seconds(options.get("clocktolerance", "120")),
         )
 
     @property
     def api(self) -> str:
         return f"$JS.{self.domain}.API" if self.domain else "$JS.API"
+
+
+def _seconds(raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if value < 0:
+        raise ConfigError(f"jetstream option clockTolerance: expected seconds, got {raw!r}")
+    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -539,10 +554,13 @@ async def _read_range(options: SourceOptions, part: SeqRange) -> pa.RecordBatch:
         origin = _origin(headers)
         device_time = await _device_times(nc, options.api, origin)
         incarnation = await _incarnations(nc, options.api, origin)
+        device_id, subject = _attribution(
+            _text(pa.array(got.subjects, pa.binary())), origin.subject
+        )
+        offset = await _clock_offsets(nc, options.api, part.stream, device_id)
     finally:
         await nc.close()
     hub = _ack_stamps(got.acks)
-    device_id, subject = _attribution(_text(pa.array(got.subjects, pa.binary())), origin.subject)
     columns = {
         "device_id": device_id,
         "incarnation": incarnation,
@@ -552,6 +570,8 @@ async def _read_range(options: SourceOptions, part: SeqRange) -> pa.RecordBatch:
         "hub_seq": hub.seq,
         "device_time": device_time,
         "hub_time": hub.time,
+        "device_clock_offset_s": offset,
+        "device_time_suspect": _suspect(device_time, hub.time, offset, options.clock_tolerance),
         "headers": headers,
         "payload": pa.array(got.data, pa.binary()),
     }
@@ -631,6 +651,40 @@ async def _incarnations(nc: _FrameClient, api: str, origin: _Origin) -> pa.Array
         pa.array(ids, pa.string()),
         pc.index_in(origin.mirror, value_set=pa.array(names, pa.string())),
     )
+
+
+async def _clock_offsets(nc: _FrameClient, api: str, stream: str, device_id: pa.Array) -> pa.Array:
+    """Each row's device clock offset (hub minus device, seconds) as the device's newest
+    heartbeat reported it when the batch ran; null when unknown."""
+    events = stream.replace("FLEET_TELEMETRY", "FLEET_EVENTS", 1)
+    devices = pc.unique(device_id.drop_null()).to_pylist()
+    offsets: list[float | None] = []
+    for device in devices:
+        request = {"last_by_subj": f"fleet.{device}.evt.{device}.heartbeat"}
+        reply = await nc.request(f"{api}.DIRECT.GET.{events}", json.dumps(request).encode())
+        try:
+            beat = json.loads(reply.data) if reply.data else {}
+        except ValueError:
+            beat = {}
+        # Only the device's own word on itself (see `hub_ingest.commands.attribute`).
+        mine = isinstance(beat, dict) and beat.get("device_id") in (None, device)
+        value = beat.get("clock_offset_s") if mine else None
+        offsets.append(float(value) if isinstance(value, int | float) else None)
+    at = pc.index_in(device_id, value_set=pa.array(devices, pa.string()))
+    return pc.take(pa.array(offsets, pa.float64()), at)
+
+
+def _suspect(
+    device_time: pa.Array, hub_time: pa.Array, offset: pa.Array, tolerance: float
+) -> pa.Array:
+    """A device time is implausible when it is later than the hub's store time (a message
+    reaches the hub after the device stored it), or when the device's clock was off by more
+    than `tolerance` at its last report."""
+    late = pc.greater(
+        device_time, pc.add(hub_time, pa.scalar(int(tolerance * 1e6), pa.duration("us")))
+    )
+    off = pc.greater(pc.abs(offset), tolerance)
+    return pc.or_(pc.fill_null(late, False), pc.fill_null(off, False))
 
 
 def _attribution(hub_subject: pa.Array, published: pa.Array) -> tuple[pa.Array, pa.Array]:

@@ -11,8 +11,9 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+from edge_agent.units import parse_time
 from hub_ingest.registry import Registry
-from hub_ingest.report import collect_report, parse_time
+from hub_ingest.report import collect_report
 from tests.support.cluster import Hub
 from tests.support.hub_config import write_hub_config
 from tests.support.waiting import eventually

@@ -180,6 +180,8 @@ async def test_rows_are_attributed_from_subject_and_stored_headers(hub: Hub) -> 
         "hub_seq": 5,
         "device_time": None,
         "hub_time": None,
+        "device_clock_offset_s": None,
+        "device_time_suspect": False,
         "headers": [("X-Name", "café")],
         "payload": b"4",
     }

@@ -357,6 +357,7 @@ def write_agent_config(device: Device, path: Path, extra: str = "") -> Path:
         f"""device_id = {json.dumps(cfg.device_id)}
 [agent]
 state_dir = {json.dumps(str(cfg.agent.state_dir))}
+heartbeat_interval = "{cfg.agent.heartbeat_interval:g}s"
 [island]
 max_file_store = {cfg.island.max_file_store}
 client_listen = {json.dumps(str(cfg.island.client_listen))}
