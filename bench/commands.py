@@ -41,7 +41,7 @@ async def round_trips(hub: Hub, device: Device, n: int) -> list[float]:
             envelope = new_envelope(device.id, "ping", {}, 3600)
             start = time.monotonic()
             await send(hub.js, envelope)
-            while not any(r["command_id"] == envelope.id for r in await reader.read(5.0)):
+            while not any(r["command_id"] == envelope.id for _, r in await reader.read(5.0)):
                 pass
             samples.append(time.monotonic() - start)
     return samples

@@ -151,9 +151,9 @@ async def phase_round_trip(hub: Hub, devices: dict[str, Device], verdict: Verdic
         say(f"  sent {envelope.subject} id {envelope.id}")
 
         async def answered() -> tuple[bool, str]:
-            for result in await reader.read(timeout=0.5):
-                if result.get("command_id") == envelope.id:
-                    results.setdefault(str(result["device_id"]), result)
+            for sender, result in await reader.read(timeout=0.5):
+                if result.get("command_id") == envelope.id and sender.trusted:
+                    results.setdefault(str(sender.device_id), result)
             return len(results) == len(devices), f"{len(results)}/{len(devices)} results"
 
         await wait_for("results at the hub", answered, timeout=120)
