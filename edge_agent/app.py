@@ -30,14 +30,14 @@ from nats.js import JetStreamContext
 from nats.js.errors import APIError
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential_jitter
 
-from edge_agent.commands import Executor
+from edge_agent.commands import CANCEL_WAIT_S, Executor
 from edge_agent.config import Config
 from edge_agent.errors import EdgeAgentError, OutboxError
 from edge_agent.fence import CommandFence
 from edge_agent.handlers import Handler, builtin_handlers
 from edge_agent.health import LinkTracker, collect_status, heartbeat_payload, write_clock
 from edge_agent.hubclock import HubClock
-from edge_agent.island import Island
+from edge_agent.island import STOP_TIMEOUT_S, Island
 from edge_agent.ledger import Ledger
 from edge_agent.naming import command_stream, inbox_prefix
 from edge_agent.notify import Notifier
@@ -50,6 +50,18 @@ log = structlog.get_logger(__name__)
 
 
 _STRAGGLER_GRACE_S = 5.0  # after the TaskGroup's cancel, before cancelling again
+_DRAIN_TIMEOUT_S = 5.0  # nats-py would wait 30 s to drain the island connection
+
+
+def shutdown_budget(config: Config) -> float:
+    """The longest a SIGTERM can take, stage by stage (see the module docstring): the running
+    command (grace, then its cancel), the outbox flush (grace), one more cancel round, the
+    connection drain and the island's stop. With the defaults: 10+5 + 10 + 5 + 5 + 10 = 45 s,
+    inside edge-agent.service's TimeoutStopSec=60s with 15 s to spare."""
+    grace = config.commands.shutdown_grace
+    return 2 * grace + CANCEL_WAIT_S + _STRAGGLER_GRACE_S + _DRAIN_TIMEOUT_S + STOP_TIMEOUT_S
+
+
 CLOCK_SYNC_S = 60.0  # while the link is up; and at once whenever it comes up
 
 
@@ -76,6 +88,7 @@ async def connect_island(config: Config, name: str = "edge-agent") -> Client:
         max_reconnect_attempts=-1,
         reconnect_time_wait=0.5,
         connect_timeout=2,
+        drain_timeout=_DRAIN_TIMEOUT_S,
         # Replies to requests that cross the link come back on a subject only this device
         # may subscribe to at the hub (the default _INBOX.> would see everybody's replies).
         inbox_prefix=inbox_prefix(config.device_id),

@@ -50,6 +50,7 @@ CONSUMER = "edge-agent"
 # After this many deliveries that the agent itself could not process (not the command's
 # fault: e.g. a full disk), the message is answered with an error and acked, not retried.
 MAX_DELIVERIES = 5
+CANCEL_WAIT_S = 5.0  # for a cancelled handler to wind up, at shutdown
 _ID_RE = re.compile(r"^[^@\s][^\s]{0,127}$")
 _TRANSIENT = (nats.errors.Error, APIError, OSError)
 
@@ -302,10 +303,12 @@ class Executor:
             error=f"not processed: {exc!r}",
             started_at=now,
         )
-        with contextlib.suppress(Exception):
+        try:
             await self._ledger.finish(key, item.seq, result, now)
-            return True
-        return False
+        except Exception as again:  # the same trouble: the message is redelivered later
+            log.error("command_not_answered", seq=item.seq, error=repr(again))
+            return False
+        return True
 
     async def process(self, item: Incoming) -> bool:
         """Handle one command message; False when stopping (it stays for the next run)."""
@@ -454,4 +457,4 @@ class Executor:
                 log.warning("command_cancelled_at_shutdown", grace_s=grace)
                 self._handler_task.cancel()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._idle.wait(), 5.0)
+                await asyncio.wait_for(self._idle.wait(), CANCEL_WAIT_S)

@@ -57,6 +57,9 @@ def read_seed(path: Path) -> str:
     return seed
 
 
+STOP_TIMEOUT_S = 10.0  # for a child island to stop on SIGTERM
+
+
 def pid_file(config: Config) -> Path:
     return config.agent.state_dir / "nats-server.pid"
 
@@ -221,7 +224,7 @@ class Island:
         config: Config,
         *,
         start_timeout: float = 30.0,
-        stop_timeout: float = 10.0,
+        stop_timeout: float = STOP_TIMEOUT_S,
         unhealthy_restart_after: float = 10.0,
         on_up: Callable[[], Awaitable[None]] | None = None,
     ) -> None:

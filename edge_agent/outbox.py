@@ -324,8 +324,9 @@ class Drainer:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.outbox.added.wait(), self._poll_interval)
 
-    async def drain(self) -> int:
-        """Send batches until the outbox is empty; returns how many rows went out.
+    async def drain(self, deadline: float | None = None) -> int:
+        """Send batches until the outbox is empty (or, with a monotonic `deadline`, until it
+        passes: rows keep coming while scripts publish); returns how many rows went out.
 
         Pipelined: the next batch is published while the previous one's PubAcks arrive and
         its rows are deleted. On any failure the unsettled batch's rows simply stay; sent
@@ -338,7 +339,8 @@ class Drainer:
             published: _Batch | None = None
             try:
                 while True:
-                    rows = await self.outbox.batch(self._batch, after)
+                    late = deadline is not None and time.monotonic() >= deadline
+                    rows = [] if late else await self.outbox.batch(self._batch, after)
                     published = None
                     if rows:
                         after = rows[-1].id
@@ -361,13 +363,18 @@ class Drainer:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                await self.drain()
-                return True
+                await self.drain(deadline)
             except DrainBlocked as exc:
                 if time.monotonic() >= deadline:
                     log.warning("outbox_not_flushed", reason=str(exc))
                     return False
                 await asyncio.sleep(0.1)
+                continue
+            left = (await self.outbox.stats()).depth
+            if left == 0 or time.monotonic() >= deadline:
+                if left:
+                    log.warning("outbox_not_flushed", reason=f"{left} rows left at the deadline")
+                return left == 0
 
     async def _publish(self, rows: list[Row]) -> _Batch:
         """Publish `rows`; the ones handed to the island and their PubAck futures."""

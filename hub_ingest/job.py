@@ -41,6 +41,9 @@ log = structlog.get_logger(__name__)
 QUERY_NAME = "hub_ingest"
 PARTITION_COLUMN = "date"
 _BASE_COLUMNS = {*(f.split(" ")[0] for f in SCHEMA.split(", ")), "ingested_at", PARTITION_COLUMN}
+# "nats.errors.NoServersError: nats: no servers available": a Python exception line in the
+# trace Spark carries over from the data source.
+_PY_ERROR = re.compile(r"^([a-z_][\w.]*)\.([A-Z]\w*(?:Error|Exception)): (.+)$")
 _DATA_LOSS = re.compile(r"retention removed \d+ messages of (\S+) \(seq (\d+)\.\.(\d+)\)")
 
 
@@ -232,10 +235,18 @@ def _offset(raw: str | None) -> dict[str, int]:
 
 
 def _translate(exc: Exception) -> IngestError:
-    """The query's failure, as our own error; a data-loss stop says how many were lost."""
+    """The query's failure, as our own error, in one line: Spark wraps the cause (say, the hub
+    gone: `nats: no servers available`) in hundreds of lines of Python and JVM trace."""
     text = str(exc)
     found = _DATA_LOSS.search(text)
     if found:
         return DataLossError(found[1], int(found[2]), int(found[3]))
+    causes = [m for m in map(_PY_ERROR.match, text.splitlines()) if m and not _wrapper(m[1])]
+    if causes:
+        return IngestError(f"ingest query failed: {causes[-1][2]}: {causes[-1][3]}")
     first = next((line for line in text.splitlines() if line.strip()), type(exc).__name__)
     return IngestError(f"ingest query failed: {first}")
+
+
+def _wrapper(module: str) -> bool:
+    return module.startswith(("org.", "java.", "scala.", "py4j", "pyspark"))

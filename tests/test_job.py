@@ -12,6 +12,7 @@ import pytest
 from pyspark.sql import SparkSession
 
 from hub_ingest.audit import audit_archive, read_archive
+from hub_ingest.job import _translate
 from tests.support.cluster import Hub
 from tests.support.hub_config import write_hub_config
 from tests.support.ingest import aggregate_has, ingest_config, run_once, telemetry
@@ -132,3 +133,21 @@ async def test_sigkill_mid_batch_then_rerun_loses_and_duplicates_nothing(
 def _row_count(archive: Path) -> int:
     table = read_archive(archive, ["hub_seq"])
     return 0 if table is None else int(table.num_rows)
+
+
+def test_a_failed_query_is_one_line_with_its_cause() -> None:
+    """Spark's wrapping of a source that lost the hub comes down to the cause itself."""
+    trace = "\n".join(
+        [
+            "[STREAM_FAILED] Query [id = 1] terminated with exception: Failed when Python "
+            "streaming data source perform latestOffset: Traceback (most recent call last):",
+            '  File "/x/hub_ingest/source.py", line 260, in _connect',
+            "    await nc.connect(",
+            "nats.errors.NoServersError: nats: no servers available",
+            "\tat org.apache.spark.sql.execution.python.PythonStreamingSourceRunner.fail(x)",
+            "org.apache.spark.SparkException: Python worker failed",
+            *(f"\tat frame{i}" for i in range(300)),
+        ]
+    )
+    error = _translate(RuntimeError(trace))
+    assert str(error) == "ingest query failed: NoServersError: nats: no servers available"

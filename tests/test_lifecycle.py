@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 import socket
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from edge_agent.app import shutdown_budget
+from edge_agent.config import load_config
 from edge_agent.health import collect_status
 from edge_agent.outbox import Outbox
 from edge_agent.statedb import StateDB
@@ -141,3 +144,30 @@ async def test_sd_notify_ready_then_watchdog_then_stopping(
     assert received[0] == "READY=1\nSTATUS=serving"
     assert received[-1] == "STOPPING=1\nSTATUS=stopping"
     assert set(received[1:-1]) == {"WATCHDOG=1"}
+
+
+async def test_a_slow_shutdown_fits_the_units_stop_timeout(hub: Hub, tmp_path: Path) -> None:
+    """SIGTERM while a handler runs far past its grace and scripts keep publishing: the agent
+    still exits 0 within its shutdown budget, which fits systemd's TimeoutStopSec."""
+    unit = (Path(__file__).parents[1] / "systemd/edge-agent.service").read_text()
+    stop_timeout = float(unit.split("TimeoutStopSec=", 1)[1].split("s", 1)[0])
+    counter = counter_program(tmp_path)
+    ran = tmp_path / "runs"
+    a = await hub.device("a", start=False)
+    config = write_agent_config(a, tmp_path / "agent.toml", _commands_section(counter, "2s"))
+    budget = shutdown_budget(load_config(config))
+    assert budget <= stop_timeout - 10  # a margin for systemd and a slow disk
+    agent = AgentProcess(config, tmp_path / "agent.log").start()
+    try:
+        await agent.wait_event("agent_ready")
+        await send_command(hub, "a", "exec", {"argv": [*counter, str(ran), "600"]})
+        await eventually(lambda: _ran(ran), timeout=30, what="handler started")
+        async with await StateDB.open(a.config.agent.database) as db:
+            outbox = Outbox(db, a.config.outbox.max_bytes)
+            await outbox.append_many((f"evt.a.n{i}", b"x") for i in range(20000))
+            started = time.monotonic()
+            code = await agent.terminate(timeout=budget + 5)
+        assert code == 0
+        assert time.monotonic() - started <= budget
+    finally:
+        agent.close()

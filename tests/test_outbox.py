@@ -257,3 +257,33 @@ async def test_a_dead_letter_degrades_status_and_shows_in_the_fleet_report(hub: 
 
 async def _answered(hub: Hub, command_id: str) -> bool:
     return command_id in await results(hub.js, "FLEET_EVENTS")
+
+
+async def test_flush_keeps_its_deadline_while_rows_keep_coming(
+    island: NatsServer, tmp_path: Path
+) -> None:
+    """Shutdown's flush returns at its deadline even though a script never stops publishing."""
+    nc = await _connect(island.url)  # type: ignore[attr-defined]
+    js = nc.jetstream()
+    await js.add_stream(StreamConfig(name="EVENTS", subjects=["evt.>"]))
+    async with await StateDB.open(tmp_path / "agent.sqlite3") as db:
+        outbox = Outbox(db, max_bytes=256 * 1024**2)
+        stop = asyncio.Event()
+
+        async def script() -> None:
+            while not stop.is_set():
+                await outbox.append_many((f"evt.d.n{i}", b"x") for i in range(500))
+
+        producer = asyncio.create_task(script())
+        try:
+            await eventually(lambda: _depth_at_least(outbox, 1000), timeout=30)
+            flushed = await asyncio.wait_for(Drainer(outbox, js).flush(timeout=1.0), 20)
+        finally:
+            stop.set()
+            await producer
+    assert flushed is False  # rows were still arriving at the deadline
+    await nc.close()
+
+
+async def _depth_at_least(outbox: Outbox, n: int) -> bool:
+    return (await outbox.stats()).depth >= n
