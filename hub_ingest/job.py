@@ -89,7 +89,7 @@ def spark_session(master: str) -> SparkSession:
         .config("spark.ui.showConsoleProgress", "false")  # progress is logged per batch
         .getOrCreate()
     )
-    spark.sparkContext.setLogLevel("ERROR")
+    spark.sparkContext.setLogLevel("WARN")  # the JVM's own warnings, no chatter
     spark.dataSource.register(JetStreamDataSource)
     return spark
 
