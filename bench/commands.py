@@ -25,8 +25,8 @@ import nats
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
 
-from edge_agent.logs import configure_logging
 from edge_agent.outbox import Drainer, Outbox
+from edge_agent.protocol.logs import configure_logging
 from edge_agent.statedb import StateDB
 from hub_ingest.commands import ResultReader, event_streams, new_envelope, send
 from hub_ingest.registry import Registry

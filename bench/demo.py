@@ -19,7 +19,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
 
-from edge_agent.logs import configure_logging
+from edge_agent.protocol.logs import configure_logging
 from hub_ingest.audit import read_archive
 from hub_ingest.commands import BROADCAST, ResultReader, describe, event_streams, new_envelope, send
 from hub_ingest.registry import Registry

@@ -32,7 +32,7 @@ import nats
 import structlog
 from nats.js import JetStreamContext
 
-from edge_agent.logs import configure_logging
+from edge_agent.protocol.logs import configure_logging
 from hub_ingest.job import ingest, spark_session
 from tests.support.cluster import Hub, start_hub
 from tests.support.waiting import eventually

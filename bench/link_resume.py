@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
 
-from edge_agent.logs import configure_logging
+from edge_agent.protocol.logs import configure_logging
 from tests.support.cluster import Device, Hub, start_hub
 
 

@@ -39,12 +39,12 @@ from edge_agent.health import LinkTracker, collect_status, heartbeat_payload, wr
 from edge_agent.hubclock import HubClock
 from edge_agent.island import STOP_TIMEOUT_S, Island
 from edge_agent.ledger import Ledger
-from edge_agent.naming import command_stream, inbox_prefix
 from edge_agent.notify import Notifier
 from edge_agent.outbox import Drainer, Outbox
+from edge_agent.protocol.names import EVENTS, command_stream, inbox_prefix
 from edge_agent.resume import FastResume
 from edge_agent.statedb import StateDB
-from edge_agent.streams import EVENTS, reconcile
+from edge_agent.streams import reconcile
 
 log = structlog.get_logger(__name__)
 

@@ -15,11 +15,11 @@ from pathlib import Path
 from edge_agent import __version__
 from edge_agent.app import Agent
 from edge_agent.config import DEFAULT_CONFIG_PATH, Config, load_config
-from edge_agent.errors import ConfigError, EdgeAgentError
+from edge_agent.errors import ConfigError, ProtocolError
 from edge_agent.health import collect_status, render_status
 from edge_agent.island import read_seed, render_config, write_config
-from edge_agent.logs import configure_logging
 from edge_agent.outbox import Outbox, check_subject
+from edge_agent.protocol.logs import configure_logging
 from edge_agent.statedb import StateDB
 
 EXIT_OK, EXIT_UNHEALTHY, EXIT_USAGE = 0, 1, 2
@@ -204,7 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"edge-agent: config error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except EdgeAgentError as exc:
+    except ProtocolError as exc:
         print(f"edge-agent: {exc}", file=sys.stderr)
         return EXIT_UNHEALTHY
 

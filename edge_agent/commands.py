@@ -39,10 +39,11 @@ from edge_agent.config import Config
 from edge_agent.errors import CommandFailed, CommandRefused
 from edge_agent.fence import CommandFence
 from edge_agent.handlers import Handler, HandlerContext
-from edge_agent.health import utc_now_iso
 from edge_agent.hubclock import HubClock
-from edge_agent.ledger import Ledger, Result, ResultStatus
-from edge_agent.streams import COMMANDS
+from edge_agent.ledger import Ledger
+from edge_agent.protocol.envelope import BROADCAST, Result, ResultStatus
+from edge_agent.protocol.names import COMMAND_MIRROR
+from edge_agent.protocol.units import utc_now_iso
 
 log = structlog.get_logger(__name__)
 
@@ -74,7 +75,7 @@ class Command:
     args: dict[str, Any]
     issued_at: datetime
     expires_at: datetime | None
-    target: str  # the device id, or "all"
+    device_id: str  # the target: this device's id, or BROADCAST
 
 
 def _subject_type(item: Incoming) -> str | None:
@@ -137,7 +138,7 @@ def parse_command(
     if not isinstance(type_, str) or not type_:
         raise CommandRefused("type", f"expected a non-empty string, got {type_!r}")
     _, target, subject_type = [*item.subject.split(".", 2), "", ""][:3]
-    if target not in (device_id, "all"):
+    if target not in (device_id, BROADCAST):
         raise CommandRefused("subject", f"{item.subject} is not for this device ({device_id})")
     if subject_type != type_:
         raise CommandRefused("type", f"{type_!r} does not match the subject {item.subject}")
@@ -245,7 +246,7 @@ class Executor:
 
     async def _consume(self) -> None:
         await self._js.add_consumer(
-            COMMANDS,
+            COMMAND_MIRROR,
             ConsumerConfig(
                 durable_name=CONSUMER,
                 deliver_policy=DeliverPolicy.ALL,
@@ -254,7 +255,7 @@ class Executor:
                 max_deliver=-1,
             ),
         )
-        sub = await self._js.pull_subscribe_bind(CONSUMER, stream=COMMANDS)
+        sub = await self._js.pull_subscribe_bind(CONSUMER, stream=COMMAND_MIRROR)
         try:
             while not self._stopping:
                 try:

@@ -11,8 +11,17 @@ from pathlib import Path
 from typing import Any, Literal
 
 from edge_agent.errors import ConfigError
-from edge_agent.tomlconf import Section, host_port, identifier, path, read_toml, string, url_list
-from edge_agent.units import parse_duration, parse_size
+from edge_agent.protocol.names import island_name, js_api
+from edge_agent.protocol.tomlconf import (
+    Section,
+    host_port,
+    identifier,
+    path,
+    read_toml,
+    string,
+    url_list,
+)
+from edge_agent.protocol.units import parse_duration, parse_size
 
 DEFAULT_CONFIG_PATH = Path("/etc/edge-agent/agent.toml")
 
@@ -68,7 +77,7 @@ class HubLinkConfig:
 
     @property
     def api_prefix(self) -> str:
-        return f"$JS.{self.domain}.API"
+        return js_api(self.domain)
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,8 +224,8 @@ def parse_config(data: dict[str, Any], source: Path | None = None) -> Config:
 
     isl = root.table("island")
     island = IslandConfig(
-        domain=isl.get("domain", identifier, f"edge-{device_id}"),
-        server_name=isl.get("server_name", identifier, f"edge-{device_id}"),
+        domain=isl.get("domain", identifier, island_name(device_id)),
+        server_name=isl.get("server_name", identifier, island_name(device_id)),
         store_dir=isl.get("store_dir", path, agent.state_dir / "jetstream"),
         # Required: nats-server would otherwise take 75% of the disk free at start-up.
         max_file_store=isl.get("max_file_store", parse_size),

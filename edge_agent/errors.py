@@ -1,9 +1,13 @@
-"""Exceptions raised by the edge agent.
+"""Exceptions raised by the edge agent, on top of the shared protocol's
+(`edge_agent.protocol.errors`: `ConfigError`, `StreamError`, `MonitorUnavailable`).
 
-    EdgeAgentError
+    ProtocolError
     ├── ConfigError          bad or missing configuration (CLI exit code 2)
-    ├── IslandError          the local nats-server could not be rendered, started or reached
     ├── StreamError          the island refused a stream configuration
+    ├── MonitorUnavailable   a monitoring endpoint does not answer
+    └── EdgeAgentError
+    ├── IslandError          the local nats-server could not be rendered, started or reached
+    │   └── IslandUnavailable   down or restarting (also a MonitorUnavailable)
     ├── OutboxError          the outbox could not take or hand on a message
     │   ├── TooLarge         larger than the island will ever take (CLI exit code 1)
     │   ├── OutboxFull       its byte budget is used up (CLI exit code 1)
@@ -19,39 +23,42 @@ from __future__ import annotations
 
 from typing import Literal
 
+from edge_agent.protocol.errors import ConfigError, MonitorUnavailable, ProtocolError, StreamError
 
-class EdgeAgentError(Exception):
-    """Base of every error the agent raises on purpose."""
+__all__ = [
+    "CommandFailed",
+    "CommandRefused",
+    "ConfigError",
+    "DrainBlocked",
+    "EdgeAgentError",
+    "IslandError",
+    "IslandUnavailable",
+    "OutboxError",
+    "OutboxFull",
+    "ProtocolError",
+    "StreamError",
+    "TooLarge",
+    "is_retriable",
+]
 
-    retriable = False
+
+class EdgeAgentError(ProtocolError):
+    """Base of every error the agent itself raises on purpose."""
 
 
 def is_retriable(exc: BaseException) -> bool:
     """The tenacity predicate: retry only what may succeed later unchanged."""
-    return isinstance(exc, EdgeAgentError) and exc.retriable
-
-
-class ConfigError(EdgeAgentError):
-    """The configuration file is missing, unreadable or has a bad value."""
-
-    def __init__(self, key: str, problem: str) -> None:
-        self.key = key
-        self.problem = problem
-        super().__init__(f"{key}: {problem}" if key else problem)
+    return isinstance(exc, ProtocolError) and exc.retriable
 
 
 class IslandError(EdgeAgentError):
     """The island (local nats-server) is not usable."""
 
 
-class IslandUnavailable(IslandError):
+class IslandUnavailable(IslandError, MonitorUnavailable):
     """The island is down or restarting; waiting may help."""
 
     retriable = True
-
-
-class StreamError(EdgeAgentError):
-    """A stream could not be created or updated as configured."""
 
 
 class OutboxError(EdgeAgentError):

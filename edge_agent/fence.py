@@ -27,9 +27,9 @@ from nats.js import JetStreamContext
 from nats.js.errors import APIError
 
 from edge_agent.health import LinkTracker
-from edge_agent.naming import command_stream, fence_key
+from edge_agent.protocol.names import COMMAND_MIRROR, EVENTS, command_stream, fence_key
 from edge_agent.statedb import FENCE_KEY, StateDB
-from edge_agent.streams import COMMANDS, EVENTS, incarnations
+from edge_agent.streams import incarnations
 
 log = structlog.get_logger(__name__)
 
@@ -65,7 +65,7 @@ class CommandFence:
         island_was_fresh: bool,
     ) -> None:
         """Read this incarnation's fence from the hub (waiting for the link), and keep it."""
-        local = 0 if island_was_fresh else await _last_seq(island, COMMANDS)
+        local = 0 if island_was_fresh else await _last_seq(island, COMMAND_MIRROR)
         incarnation = (await incarnations(island))[EVENTS]
         log.info("command_fence_awaited", incarnation=incarnation, local_floor=local)
         while True:

@@ -17,7 +17,7 @@ from typing import Any
 
 from edge_agent.config import Config
 from edge_agent.errors import CommandFailed, CommandRefused
-from edge_agent.health import utc_now_iso
+from edge_agent.protocol.units import utc_now_iso
 
 # systemd's variables are for the agent alone: a program started by `exec` must not be able
 # to report READY or feed the watchdog on the agent's behalf.

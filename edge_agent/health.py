@@ -13,22 +13,21 @@ import os
 import sqlite3
 import time
 from dataclasses import asdict, dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import structlog
 
 from edge_agent.config import Config
-from edge_agent.errors import IslandUnavailable
-from edge_agent.island import Monitor
 from edge_agent.ledger import CommandStats
 from edge_agent.ledger import read_stats as read_command_stats
 from edge_agent.outbox import OutboxStats
 from edge_agent.outbox import read_stats as read_outbox_stats
+from edge_agent.protocol.errors import MonitorUnavailable
+from edge_agent.protocol.monitor import Monitor
+from edge_agent.protocol.names import COMMAND_MIRROR, EVENTS, INCARNATION, TELEMETRY
+from edge_agent.protocol.units import utc_now_iso
 from edge_agent.statedb import open_readonly
-from edge_agent.streams import COMMANDS, EVENTS, INCARNATION, TELEMETRY
-from edge_agent.units import format_time
 
 log = structlog.get_logger(__name__)
 
@@ -89,10 +88,6 @@ class Status:
         return out
 
 
-def utc_now_iso() -> str:
-    return format_time(datetime.now(UTC))
-
-
 def clock_path(config: Config) -> Path:
     """Where the agent keeps its last clock sync with the hub, for ``status``."""
     return config.agent.state_dir / "clock.json"
@@ -132,7 +127,7 @@ class LinkTracker:
     async def poll(self) -> LinkState:
         try:
             up = await self._monitor.leaf_connected()
-        except IslandUnavailable:
+        except MonitorUnavailable:
             up = False
         if up != self.state.up or self.state.since is None:
             self.state = LinkState(up, utc_now_iso())
@@ -204,7 +199,7 @@ async def collect_status(config: Config, monitor: Monitor | None = None) -> Stat
         healthz = await monitor.get("/healthz")
         leaf_up = await monitor.leaf_connected()
         jsz = await monitor.get("/jsz?streams=true&config=true")
-    except IslandUnavailable as exc:
+    except MonitorUnavailable as exc:
         return Status(
             device_id=config.device_id,
             island_up=False,
@@ -224,14 +219,14 @@ async def collect_status(config: Config, monitor: Monitor | None = None) -> Stat
     ]
     by_name = {d.get("name"): d for d in details}
     streams: dict[str, StreamStatus] = {}
-    for name in (TELEMETRY, EVENTS, COMMANDS):
+    for name in (TELEMETRY, EVENTS, COMMAND_MIRROR):
         if name not in by_name:
             problems.append(f"stream {name} missing")
             continue
         streams[name] = _stream_status(by_name[name])
         if streams[name].budget_used_pct >= BUDGET_WARN_PCT and name != TELEMETRY:
             problems.append(f"stream {name} at {streams[name].budget_used_pct}% of its budget")
-    mirror = _mirror_status(by_name[COMMANDS]) if COMMANDS in by_name else None
+    mirror = _mirror_status(by_name[COMMAND_MIRROR]) if COMMAND_MIRROR in by_name else None
     if mirror and mirror.error and leaf_up:
         problems.append(f"command mirror error: {mirror.error}")
     if box and box.bytes >= box.max_bytes * BUDGET_WARN_PCT / 100:

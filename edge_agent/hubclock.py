@@ -24,7 +24,7 @@ from datetime import UTC, datetime, timedelta
 
 from nats.aio.client import Client
 
-from edge_agent.units import parse_time
+from edge_agent.protocol.units import parse_time
 
 
 @dataclass(frozen=True, slots=True)

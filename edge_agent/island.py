@@ -16,18 +16,15 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import structlog
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_exponential_jitter
 
 from edge_agent.config import Config
 from edge_agent.errors import ConfigError, IslandError, IslandUnavailable, is_retriable
+from edge_agent.protocol.monitor import Monitor
 
 log = structlog.get_logger(__name__)
 
@@ -152,42 +149,6 @@ def check_config(nats_server: str, path: Path) -> None:
     if result.returncode != 0:
         detail = (result.stderr or result.stdout).strip()
         raise IslandError(f"nats-server rejected {path}: {detail}")
-
-
-@dataclass(frozen=True, slots=True)
-class Monitor:
-    """Reads the island's monitoring endpoint (``/healthz``, ``/leafz``, ``/jsz``)."""
-
-    base_url: str
-    timeout: float = 2.0
-
-    async def get(self, path: str) -> dict[str, Any]:
-        return await asyncio.to_thread(self._get, path)
-
-    def _get(self, path: str) -> dict[str, Any]:
-        try:
-            with urllib.request.urlopen(self.base_url + path, timeout=self.timeout) as resp:
-                body: dict[str, Any] = json.load(resp)
-                return body
-        except urllib.error.HTTPError as exc:
-            # /healthz answers 503 with a JSON body when JetStream is not ready.
-            with contextlib.suppress(ValueError):
-                body = json.load(exc)
-                return body
-            raise IslandUnavailable(f"{self.base_url}{path}: HTTP {exc.code}") from exc
-        except (OSError, ValueError) as exc:
-            raise IslandUnavailable(f"{self.base_url}{path}: {exc}") from exc
-
-    async def healthy(self) -> bool:
-        try:
-            return (await self.get("/healthz")).get("status") == "ok"
-        except IslandUnavailable:
-            return False
-
-    async def leaf_connected(self) -> bool:
-        """Whether the leaf link to the hub is up right now."""
-        leafz = await self.get("/leafz")
-        return any(leaf.get("is_spoke") for leaf in leafz.get("leafs") or [])
 
 
 async def wait_healthy(

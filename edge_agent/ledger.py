@@ -9,34 +9,14 @@ a command interrupted by a crash; it is answered with an error, not run again.
 
 from __future__ import annotations
 
-import json
 import sqlite3
-from dataclasses import asdict, dataclass, replace
-from typing import Any, Literal
+from dataclasses import dataclass, replace
+from typing import Any
 
 from edge_agent.errors import TooLarge
 from edge_agent.outbox import Outbox
+from edge_agent.protocol.envelope import Result
 from edge_agent.statedb import FENCE_KEY, StateDB
-
-ResultStatus = Literal["ok", "error", "rejected", "expired"]
-
-
-@dataclass(frozen=True, slots=True)
-class Result:
-    """The answer to one command, sent as an event on ``evt.<device_id>.result``."""
-
-    command_id: str | None
-    device_id: str
-    status: ResultStatus
-    output: Any
-    error: str | None
-    started_at: str
-    finished_at: str
-    type: str | None = None
-    seq: int | None = None
-
-    def to_json(self) -> bytes:
-        return json.dumps(asdict(self), separators=(",", ":"), default=str).encode()
 
 
 @dataclass(frozen=True, slots=True)

@@ -400,6 +400,8 @@ class Drainer:
 
     async def _settle(self, rows: list[Row], futures: list[asyncio.Future[PubAck]]) -> int:
         """Wait for the PubAcks of `rows`, delete the acknowledged ones; how many."""
+        if not futures:
+            return 0  # every row of the batch went to the dead letters
         _, pending = await asyncio.wait(futures, timeout=self._ack_timeout)
         for future in pending:
             future.cancel()

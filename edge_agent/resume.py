@@ -25,8 +25,7 @@ from nats.js.errors import APIError, NotFoundError
 from edge_agent.commands import Executor, Incoming
 from edge_agent.config import Config
 from edge_agent.health import LinkTracker
-from edge_agent.naming import command_stream
-from edge_agent.streams import COMMANDS
+from edge_agent.protocol.names import COMMAND_MIRROR, command_stream
 
 log = structlog.get_logger(__name__)
 
@@ -106,13 +105,13 @@ class FastResume:
 
     async def _mirror_last_seq(self) -> int:
         try:
-            return (await self._island.stream_info(COMMANDS)).state.last_seq
+            return (await self._island.stream_info(COMMAND_MIRROR)).state.last_seq
         except (nats.errors.Error, APIError, TimeoutError):
             return 0
 
     async def _mirror_live(self, cursor: int) -> bool:
         try:
-            info = await self._island.stream_info(COMMANDS)
+            info = await self._island.stream_info(COMMAND_MIRROR)
         except (nats.errors.Error, APIError, TimeoutError):
             return False
         active = info.mirror.active if info.mirror else None

@@ -27,12 +27,13 @@ from typing import Any
 
 import nkeys
 
-from edge_agent.errors import IslandUnavailable
-from edge_agent.island import Monitor
-from edge_agent.naming import (
+from edge_agent.protocol.errors import MonitorUnavailable
+from edge_agent.protocol.monitor import Monitor
+from edge_agent.protocol.names import (
     command_stream,
     hub_reply_prefix,
     inbox_prefix,
+    js_api,
     to_device_prefix,
     to_hub_prefix,
 )
@@ -72,7 +73,7 @@ def ensure_operator_key(config: HubConfig) -> str:
 
 
 def device_permissions(device: Device, hub_domain: str) -> dict[str, Any]:
-    api = f"$JS.{hub_domain}.API"
+    api = js_api(hub_domain)
     commands = command_stream(device.device_id)
     return {
         "publish": {
@@ -91,7 +92,7 @@ def device_permissions(device: Device, hub_domain: str) -> dict[str, Any]:
         },
         "subscribe": {
             "allow": [
-                f"$JS.{device.domain}.API.>",
+                f"{js_api(device.domain)}.>",
                 f"{to_device_prefix(device.device_id)}.>",
                 f"{inbox_prefix(device.device_id)}.>",
                 "$JS.FC.>",
@@ -146,7 +147,7 @@ async def reload_server(config: HubConfig, timeout: float = 10.0) -> bool:
                     f"hub nats-server (pid {pid}) did not reload within {timeout}s"
                 )
             await asyncio.sleep(0.05)
-    except IslandUnavailable as exc:
+    except MonitorUnavailable as exc:
         raise HubUnreachableError(
             f"cannot reload the hub's nats-server (pid {pid}): its monitoring endpoint "
             f"server.monitor_listen = {config.server.monitor_listen} does not answer ({exc})"

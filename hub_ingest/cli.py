@@ -14,7 +14,7 @@ from pathlib import Path
 
 import nats.errors
 
-from edge_agent.logs import configure_logging
+from edge_agent.protocol.logs import configure_logging
 from hub_ingest import commands_cli, devices_cli, ingest_cli, provision_cli, report_cli
 from hub_ingest.config import DEFAULT_CONFIG_PATH, load_hub_config
 from hub_ingest.errors import ConfigError, HubIngestError

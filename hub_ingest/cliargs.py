@@ -6,8 +6,8 @@ import argparse
 from collections.abc import Callable
 from typing import TypeVar
 
-from edge_agent.tomlconf import identifier
-from edge_agent.units import parse_duration
+from edge_agent.protocol.tomlconf import identifier
+from edge_agent.protocol.units import parse_duration
 
 T = TypeVar("T")
 

@@ -14,54 +14,41 @@ its own id at the hub. An event that claims another device is ignored and report
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import AsyncIterator, Iterable, Mapping
 from contextlib import asynccontextmanager
-from dataclasses import asdict, dataclass, field
-from datetime import UTC, datetime, timedelta
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from edge_agent.units import format_time
+from edge_agent.protocol.envelope import BROADCAST, Envelope, new_envelope, supersedes
+from edge_agent.protocol.names import HUB_COMMANDS
 from hub_ingest.errors import HubIngestError
-from hub_ingest.provision import AGGREGATES, COMMANDS
+from hub_ingest.provision import AGGREGATES
 from hub_ingest.registry import Device
 
+# Re-exported: the hub's command API in one import.
+__all__ = [
+    "BROADCAST",
+    "Attribution",
+    "CommandStatus",
+    "Envelope",
+    "ResultReader",
+    "attribute",
+    "command_status",
+    "describe",
+    "event_streams",
+    "find_command",
+    "new_envelope",
+    "send",
+    "supersedes",
+]
+
 RESULT_FILTER = "fleet.*.evt.*.result"
-BROADCAST = "all"
 _EVENTS = next(a for a in AGGREGATES if a.device_stream == "EVENTS")
-
-
-@dataclass(frozen=True, slots=True)
-class Envelope:
-    id: str
-    type: str
-    args: dict[str, Any]
-    issued_at: str
-    expires_at: str
-    device_id: str  # the target: a device id, or "all"
-
-    @property
-    def subject(self) -> str:
-        return f"cmd.{self.device_id}.{self.type}"
-
-    def to_json(self) -> bytes:
-        return json.dumps(asdict(self), separators=(",", ":")).encode()
-
-
-def new_envelope(target: str, type_: str, args: Mapping[str, Any], ttl: float) -> Envelope:
-    now = datetime.now(UTC)
-    return Envelope(
-        id=uuid.uuid4().hex,
-        type=type_,
-        args=dict(args),
-        issued_at=format_time(now),
-        expires_at=format_time(now + timedelta(seconds=ttl)),
-        device_id=target,
-    )
 
 
 async def send(js: JetStreamContext, envelope: Envelope) -> int:
@@ -130,17 +117,6 @@ class CommandStatus:
         }
 
 
-RAN = ("ok", "error")  # result statuses of a command that ran; the others did not run it
-
-
-def supersedes(new_status: object, old_status: object) -> bool:
-    """Whether a later result of a command on a device replaces the one already seen: only an
-    answer from a run replaces an answer that it did not run. A re-imaged device answers the
-    commands its previous incarnation may have run "rejected" (see `edge_agent.fence`), and
-    that must not hide the real result."""
-    return new_status in RAN and old_status not in RAN
-
-
 class ResultReader:
     """Result events from the ``FLEET_EVENTS`` shards, through ephemeral pull consumers."""
 
@@ -203,7 +179,7 @@ def _result(msg: Msg) -> tuple[Attribution, dict[str, Any]] | None:
 async def find_command(js: JetStreamContext, command_id: str) -> tuple[Msg, dict[str, Any]] | None:
     """The command with `command_id` in the hub's ``COMMANDS``, if it is still there."""
     config = ConsumerConfig(ack_policy=AckPolicy.NONE, inactive_threshold=30.0, mem_storage=True)
-    sub = await js.pull_subscribe("cmd.>", stream=COMMANDS, config=config)
+    sub = await js.pull_subscribe("cmd.>", stream=HUB_COMMANDS, config=config)
     try:
         pending = (await sub.consumer_info()).num_pending
         while pending:
@@ -223,7 +199,7 @@ async def command_status(
     """Per device concerned, the result of `command_id` so far."""
     found = await find_command(js, command_id)
     if found is None:
-        # Gone from COMMANDS (max_age) or never sent: report whatever results exist.
+        # Gone from HUB_COMMANDS (max_age) or never sent: report whatever results exist.
         status = CommandStatus(None, None)
         since = datetime.fromtimestamp(0, UTC)
     else:
@@ -245,7 +221,7 @@ async def command_status(
                 if seen is None or supersedes(result.get("status"), seen.get("status")):
                     status.results[device] = result
     if found is None and not status.results:
-        raise HubIngestError(f"command {command_id!r} not found in {COMMANDS} or in any result")
+        raise HubIngestError(f"command {command_id!r} not found in {HUB_COMMANDS} or in any result")
     return status
 
 

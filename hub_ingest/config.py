@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from edge_agent import errors as agent_errors
-from edge_agent.tomlconf import (
+from edge_agent.protocol import errors as agent_errors
+from edge_agent.protocol.tomlconf import (
     Section,
     host_port,
     identifier,
@@ -17,7 +17,7 @@ from edge_agent.tomlconf import (
     string,
     url_list,
 )
-from edge_agent.units import parse_duration, parse_size
+from edge_agent.protocol.units import parse_duration, parse_size
 from hub_ingest.errors import ConfigError
 
 DEFAULT_CONFIG_PATH = Path("/etc/hub-ingest/hub.toml")

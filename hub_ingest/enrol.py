@@ -13,7 +13,8 @@ from pathlib import Path
 import structlog
 from nats.js import JetStreamContext
 
-from edge_agent.streams import Reconciled
+from edge_agent.protocol.names import island_name
+from edge_agent.protocol.reconcile import Reconciled
 from hub_ingest.auth import new_seed, public_key, reload_server, write_auth, write_secret
 from hub_ingest.config import HubConfig
 from hub_ingest.provision import check_foreign_streams, provision
@@ -68,7 +69,7 @@ async def enrol(
     seed = None if key is not None else new_seed()
     nkey = key if key is not None else public_key(seed or "")
     device = await registry.add(
-        device_id, domain or f"edge-{device_id}", config.aggregates.max_sources_per_stream, nkey
+        device_id, domain or island_name(device_id), config.aggregates.max_sources_per_stream, nkey
     )
     written = None
     if seed is not None:

@@ -35,10 +35,15 @@ import structlog
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
-from edge_agent.health import utc_now_iso
-from edge_agent.island import Monitor
-from edge_agent.naming import command_stream, hub_reply_prefix
-from edge_agent.streams import INCARNATION, OUTBOUND
+from edge_agent.protocol.monitor import Monitor
+from edge_agent.protocol.names import (
+    INCARNATION,
+    OUTBOUND,
+    command_stream,
+    hub_reply_prefix,
+    island_name,
+)
+from edge_agent.protocol.units import utc_now_iso
 from hub_ingest.config import HubConfig
 from hub_ingest.provision import provision
 from hub_ingest.registry import Device, Incarnation, Registry
@@ -160,7 +165,7 @@ class _Fleet:
         age = time.monotonic() - self._read_at
         if age >= RECHECK_S or (leaf_name not in self._by_leaf and age >= 1.0):
             devices = await self._registry.list()
-            self._by_leaf = {n: d for d in devices for n in (f"edge-{d.device_id}", d.domain)}
+            self._by_leaf = {n: d for d in devices for n in (island_name(d.device_id), d.domain)}
             self._read_at = time.monotonic()
         return self._by_leaf.get(leaf_name)
 

@@ -34,22 +34,22 @@ from nats.js.api import (
     SubjectTransform,
 )
 
-from edge_agent.errors import StreamError
-from edge_agent.naming import (
+from edge_agent.protocol.errors import StreamError
+from edge_agent.protocol.names import (
+    HUB_COMMANDS,
     command_filters,
     command_stream,
     fence_key,
     hub_consumer,
     hub_deliver_subject,
 )
-from edge_agent.streams import Reconciled, reconcile_stream
+from edge_agent.protocol.reconcile import Reconciled, reconcile_stream
 from hub_ingest.config import HubConfig
 from hub_ingest.errors import ProvisionError
 from hub_ingest.registry import Device, Incarnation
 
 log = structlog.get_logger(__name__)
 
-COMMANDS = "COMMANDS"
 MANAGED_BY = {"managed-by": "hub-ingest"}
 # Subjects the fleet's streams carry (devices' `tele.>` and `evt.>`, the aggregates' `fleet.>`,
 # commands) and the deliveries of mirrors across the link (`naming.to_hub_prefix`,
@@ -133,7 +133,7 @@ def device_commands(config: HubConfig, device: Device) -> StreamConfig:
         max_age=config.commands.max_age,
         sources=[
             StreamSource(
-                name=COMMANDS,
+                name=HUB_COMMANDS,
                 subject_transforms=[
                     SubjectTransform(src=f, dest=f) for f in command_filters(device.device_id)
                 ],
@@ -170,7 +170,7 @@ def device_source(aggregate: Aggregate, device: Device, incarnation: Incarnation
 
 def commands_stream(config: HubConfig) -> StreamConfig:
     return StreamConfig(
-        name=COMMANDS,
+        name=HUB_COMMANDS,
         subjects=["cmd.>"],
         storage=StorageType.FILE,
         discard=DiscardPolicy.OLD,
@@ -215,11 +215,12 @@ def aggregate_streams(
 
 
 async def stream_names(js: JetStreamContext) -> list[str]:
-    """Every stream name in the domain (the listing API is paged)."""
+    """Every stream name in the domain, sorted (the listing API is paged, and a stream
+    created between two pages shifts the second one: a name may come twice)."""
     names: list[str] = []
     while page := await js.streams_info(offset=len(names)):
         names.extend(info.config.name or "" for info in page)
-    return names
+    return sorted(set(names))
 
 
 async def aggregate_stream_names(js: JetStreamContext) -> list[str]:
@@ -250,7 +251,7 @@ def subjects_overlap(a: str, b: str) -> bool:
 
 def _ours(name: str) -> bool:
     """Names hub-ingest manages: a stream of another owner under one of them is a clash."""
-    return name == COMMANDS or name.startswith(("CMD_", "EDGE_")) or bool(_shard_of(name))
+    return name == HUB_COMMANDS or name.startswith(("CMD_", "EDGE_")) or bool(_shard_of(name))
 
 
 def _clash(config: dict[str, Any], adopt: bool) -> str | None:

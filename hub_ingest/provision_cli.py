@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from edge_agent.island import Monitor
+from edge_agent.protocol.monitor import Monitor
 from hub_ingest.auth import write_auth
 from hub_ingest.config import HubConfig
 from hub_ingest.connect import hub_connection

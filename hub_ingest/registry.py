@@ -25,7 +25,8 @@ from nats.js.errors import (
 )
 from nats.js.kv import KeyValue
 
-from edge_agent.health import utc_now_iso
+from edge_agent.protocol.names import js_api
+from edge_agent.protocol.units import utc_now_iso
 from hub_ingest.errors import RegistryError
 
 _WRITE_ATTEMPTS = 10  # optimistic writes that lost a race are retried this often
@@ -57,7 +58,7 @@ class Device:
 
     @property
     def api_prefix(self) -> str:
-        return f"$JS.{self.domain}.API"
+        return js_api(self.domain)
 
     def current(self, stream: str) -> Incarnation | None:
         """The newest incarnation of the device stream `stream`, if the hub has seen one."""

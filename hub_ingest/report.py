@@ -33,11 +33,12 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
-from edge_agent.units import format_time, parse_time
+from edge_agent.protocol.names import HUB_COMMANDS, island_name, js_api
+from edge_agent.protocol.units import format_time, parse_time
 from hub_ingest.commands import Attribution, attribute, supersedes
 from hub_ingest.config import HubConfig
 from hub_ingest.errors import ReportError
-from hub_ingest.provision import AGGREGATES, COMMANDS, mirror_name
+from hub_ingest.provision import AGGREGATES, mirror_name
 from hub_ingest.registry import Device, Incarnation
 
 SCHEMA = "hub-ingest.report/1"
@@ -183,7 +184,7 @@ class HubApi:
 
     def __init__(self, nc: Client, domain: str, timeout: float = 5.0) -> None:
         self._nc = nc
-        self._prefix = f"$JS.{domain}.API"
+        self._prefix = js_api(domain)
         self._timeout = timeout
 
     async def request(
@@ -474,7 +475,7 @@ async def collect_report(
     infos = {name: await api.stream_info(name) for name in names}
     warnings.extend(f"aggregate stream {n} does not exist" for n, i in infos.items() if i is None)
 
-    commands = _commands(await scan(js, COMMANDS, "cmd.>"))
+    commands = _commands(await scan(js, HUB_COMMANDS, "cmd.>"))
     event_streams = [n for n in names if infos[n] is not None and n.startswith(EVENTS.base_name)]
     forged = _Forgeries()
     results = _results(
@@ -516,7 +517,7 @@ async def collect_report(
                 shard=device.shard,
                 link_connected=None
                 if leaves is None
-                else bool(leaves & {device.domain, f"edge-{device.device_id}"}),
+                else bool(leaves & {device.domain, island_name(device.device_id)}),
                 sources=sources,
                 last_heartbeat_at=format_time(beat_at) if beat_at else None,
                 last_heartbeat_age_s=beat_age,

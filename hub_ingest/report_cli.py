@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from edge_agent.units import parse_duration
+from edge_agent.protocol.units import parse_duration
 from hub_ingest.cliargs import duration
 from hub_ingest.config import HubConfig
 from hub_ingest.connect import hub_connection

@@ -49,6 +49,7 @@ from pyspark.sql.streaming.datasource import (
     SupportsTriggerAvailableNow,
 )
 
+from edge_agent.protocol.names import js_api
 from hub_ingest.errors import ConfigError, DataLossError, IngestError
 
 log = structlog.get_logger(__name__)
@@ -130,7 +131,7 @@ class SourceOptions:
 
     @property
     def api(self) -> str:
-        return f"$JS.{self.domain}.API" if self.domain else "$JS.API"
+        return js_api(self.domain) if self.domain else "$JS.API"
 
 
 def _seconds(raw: str) -> float:

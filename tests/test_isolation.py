@@ -19,7 +19,7 @@ from nats.js.api import ConsumerConfig, ExternalStream, StreamConfig, StreamSour
 from nats.js.errors import NotFoundError, ServiceUnavailableError
 
 from edge_agent.island import read_seed
-from edge_agent.naming import inbox_prefix
+from edge_agent.protocol.names import inbox_prefix
 from hub_ingest.commands import command_status
 from hub_ingest.registry import Registry
 from hub_ingest.report import collect_report

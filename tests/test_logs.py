@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 import structlog
 
-from edge_agent.logs import configure_logging
+from edge_agent.protocol.logs import configure_logging
 
 
 @pytest.fixture

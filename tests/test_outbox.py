@@ -16,8 +16,9 @@ from nats.js.api import StreamConfig
 
 from edge_agent.errors import OutboxFull
 from edge_agent.health import collect_status
-from edge_agent.ledger import Ledger, Result
+from edge_agent.ledger import Ledger
 from edge_agent.outbox import Drainer, Outbox
+from edge_agent.protocol.envelope import Result
 from edge_agent.statedb import StateDB
 from hub_ingest.registry import Registry
 from hub_ingest.report import collect_report
@@ -204,6 +205,26 @@ async def test_rows_the_island_refuses_for_good_are_set_aside_and_the_rest_flow(
     async with await StateDB.open(tmp_path / "state" / "agent.sqlite3") as db:
         stats = await Outbox(db, max_bytes=64 * 1024**2).stats()
         assert (stats.depth, stats.dead_letters) == (1, 0)  # the retried row waits again
+    await nc.close()
+
+
+async def test_a_batch_of_nothing_but_refused_rows_does_not_stop_the_drainer(
+    island: NatsServer, tmp_path: Path
+) -> None:
+    """Every row of the batch set aside: the drainer goes on (it once crashed the agent)."""
+    nc = await _connect(island.url)  # type: ignore[attr-defined]
+    js = nc.jetstream()
+    await js.add_stream(StreamConfig(name="EVENTS", subjects=["evt.>"]))
+    async with await StateDB.open(tmp_path / "agent.sqlite3") as db:
+        outbox = Outbox(db, max_bytes=64 * 1024**2)
+        await outbox.append("evt.d.huge", b"h" * (2 * 1024**2))
+        drainer = Drainer(outbox, js, batch=1)
+        assert await drainer.flush(timeout=10)
+        await outbox.append("evt.d.next", b"n")
+        assert await drainer.flush(timeout=10)
+        stats = await outbox.stats()
+    assert (stats.depth, stats.dead_letters) == (0, 1)
+    assert [m.data for m in await stream_messages(js, "EVENTS")] == [b"n"]
     await nc.close()
 
 

@@ -11,7 +11,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from edge_agent.units import parse_time
+from edge_agent.protocol.units import parse_time
 from hub_ingest.registry import Registry
 from hub_ingest.report import collect_report
 from tests.support.cluster import Hub

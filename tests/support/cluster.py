@@ -26,8 +26,9 @@ from nats.js.api import RawStreamMsg
 from edge_agent.app import Agent
 from edge_agent.config import Config, parse_config
 from edge_agent.handlers import Handler
-from edge_agent.island import Monitor, resolve_nats_server, wait_healthy
-from edge_agent.streams import reconcile_stream
+from edge_agent.island import resolve_nats_server, wait_healthy
+from edge_agent.protocol.monitor import Monitor
+from edge_agent.protocol.reconcile import reconcile_stream
 from hub_ingest.auth import write_auth
 from hub_ingest.config import HubConfig, parse_hub_config
 from hub_ingest.enrol import enrol

@@ -1,11 +1,33 @@
 """Names both sides of the leaf link must agree on, and the hub's permissions are built from.
 
+Subjects: devices publish telemetry on ``tele.>`` and the agent's events on ``evt.>`` (their
+island streams `TELEMETRY` and `EVENTS`); commands are ``cmd.<device_id>.<type>`` and
+``cmd.all.<type>`` in the hub's `HUB_COMMANDS`; the hub's aggregates hold
+``fleet.<device_id>.<subject as published>``.
+
 Every name is per device, so the hub can grant a device its own and nothing else: a device
 reads commands only from its own ``CMD_<id>`` stream, and the deliveries of each mirror
 travel on a subject prefix that only that device may use.
 """
 
 from __future__ import annotations
+
+TELEMETRY = "TELEMETRY"  # island stream of tele.>
+EVENTS = "EVENTS"  # island stream of evt.>: results, heartbeats, events
+OUTBOUND = (TELEMETRY, EVENTS)  # the island streams the hub mirrors
+COMMAND_MIRROR = "COMMANDS"  # the island's mirror of its CMD_<id>
+HUB_COMMANDS = "COMMANDS"  # the hub stream every command is published to (cmd.>)
+INCARNATION = "incarnation"  # stream metadata key: the life of a device stream
+
+
+def js_api(domain: str) -> str:
+    """The JetStream API prefix of a domain (``$JS.<domain>.API``)."""
+    return f"$JS.{domain}.API"
+
+
+def island_name(device_id: str) -> str:
+    """The island's default JetStream domain and server name: ``edge-<device_id>``."""
+    return f"edge-{device_id}"
 
 
 def command_stream(device_id: str) -> str:

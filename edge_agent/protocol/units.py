@@ -51,6 +51,10 @@ def parse_duration(value: object) -> float:
     raise ValueError(f'expected duration like "30s" or "2h", got {value!r}')
 
 
+def utc_now_iso() -> str:
+    return format_time(datetime.now(UTC))
+
+
 def format_time(moment: datetime) -> str:
     """RFC 3339 in UTC with milliseconds and a ``Z``, as every timestamp we write looks."""
     return moment.astimezone(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from edge_agent.errors import ConfigError
+from edge_agent.protocol.errors import ConfigError
 
 T = TypeVar("T")
 

@@ -1,0 +1,34 @@
+"""Exceptions of the shared protocol code; each package's own tree builds on them.
+
+ProtocolError
+├── ConfigError          bad or missing configuration: names the key (CLI exit code 2)
+├── StreamError          a server refused a stream configuration
+└── MonitorUnavailable   a nats-server's monitoring endpoint does not answer (retriable)
+"""
+
+from __future__ import annotations
+
+
+class ProtocolError(Exception):
+    """Base of every error raised on purpose by the agent, the hub tools or this package."""
+
+    retriable = False
+
+
+class ConfigError(ProtocolError):
+    """The configuration file is missing, unreadable or has a bad value."""
+
+    def __init__(self, key: str, problem: str) -> None:
+        self.key = key
+        self.problem = problem
+        super().__init__(f"{key}: {problem}" if key else problem)
+
+
+class StreamError(ProtocolError):
+    """A stream could not be created or updated as configured."""
+
+
+class MonitorUnavailable(ProtocolError):
+    """A nats-server's monitoring endpoint is down or says it is unhealthy; waiting may help."""
+
+    retriable = True

@@ -1,0 +1,71 @@
+"""Idempotent reconciliation of a JetStream stream: create it, or bring it in line."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from nats.js import JetStreamContext
+from nats.js.api import StreamConfig
+from nats.js.errors import APIError, NotFoundError
+
+from edge_agent.protocol.errors import StreamError
+
+Change = Literal["created", "updated", "recreated", "unchanged"]
+
+
+@dataclass(frozen=True, slots=True)
+class Reconciled:
+    name: str
+    change: Change
+    fields: tuple[str, ...] = ()
+
+
+def _clean(value: object) -> object:
+    """Drop empty values, so a config we send compares equal to the one the server echoes."""
+    if isinstance(value, dict):
+        cleaned = {k: _clean(v) for k, v in value.items()}
+        return {k: v for k, v in cleaned.items() if v not in (None, "", [], {})}
+    if isinstance(value, list):
+        return [_clean(v) for v in value]
+    return value
+
+
+def _differs(want: StreamConfig, have: StreamConfig) -> list[str]:
+    """Names of the fields of `want` that the existing stream does not match."""
+    wanted = _clean(want.as_dict())
+    existing = _clean(have.as_dict())
+    assert isinstance(wanted, dict) and isinstance(existing, dict)
+    changed = []
+    # Absent from `want` means "none" for these; for the rest, absent means "server default".
+    for key in sorted(wanted.keys() | {"subjects", "sources", "mirror"}):
+        value = wanted.get(key)
+        current = existing.get(key)
+        if key == "metadata" and isinstance(current, dict) and isinstance(value, dict):
+            current = {k: current.get(k) for k in value}  # the server adds its own _nats.* keys
+        if current != value:
+            changed.append(key)
+    return changed
+
+
+async def reconcile_stream(js: JetStreamContext, want: StreamConfig) -> Reconciled:
+    """Create `want`, or bring the existing stream of that name in line with it."""
+    assert want.name is not None
+    try:
+        try:
+            have = (await js.stream_info(want.name)).config
+        except NotFoundError:
+            await js.add_stream(want)
+            return Reconciled(want.name, "created")
+        changed = _differs(want, have)
+        if not changed:
+            return Reconciled(want.name, "unchanged")
+        if "mirror" in changed:
+            # A mirror's origin cannot be edited; the copy is rebuilt from its origin.
+            await js.delete_stream(want.name)
+            await js.add_stream(want)
+            return Reconciled(want.name, "recreated", tuple(changed))
+        await js.update_stream(want)
+        return Reconciled(want.name, "updated", tuple(changed))
+    except APIError as exc:
+        raise StreamError(f"stream {want.name}: {exc.description} (code {exc.err_code})") from exc
