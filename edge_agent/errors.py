@@ -11,6 +11,7 @@
     ├── OutboxError          the outbox could not take or hand on a message
     │   ├── TooLarge         larger than the island will ever take (CLI exit code 1)
     │   ├── OutboxFull       its byte budget is used up (CLI exit code 1)
+    │   ├── NoSuchDeadLetter `dead-letter retry|drop` named ids that are not dead letters
     │   └── DrainBlocked     the island did not store a batch (down, restarting, full)
     ├── CommandRefused       a command is answered without running (rejected or expired)
     └── CommandFailed        a handler ran and failed (an "error" result, with its output)
@@ -93,6 +94,17 @@ class TooLarge(OutboxError):
         super().__init__(
             f"message too large: {size} bytes with its headers, the island takes at most "
             f"{max_payload} (island.max_payload); it could never be sent"
+        )
+
+
+class NoSuchDeadLetter(OutboxError):
+    """Ids named to `dead-letter retry|drop` that are not dead letters; nothing was changed."""
+
+    def __init__(self, ids: list[int]) -> None:
+        self.ids = ids
+        super().__init__(
+            f"no dead letter with id {', '.join(map(str, ids))} (edge-agent dead-letter list); "
+            f"nothing changed"
         )
 
 

@@ -37,7 +37,13 @@ from nats.js.api import PubAck
 from nats.js.errors import APIError
 from tenacity import AsyncRetrying, retry_if_exception, wait_exponential_jitter
 
-from edge_agent.errors import DrainBlocked, OutboxFull, TooLarge, is_retriable
+from edge_agent.errors import (
+    DrainBlocked,
+    NoSuchDeadLetter,
+    OutboxFull,
+    TooLarge,
+    is_retriable,
+)
 from edge_agent.statedb import StateDB
 
 log = structlog.get_logger(__name__)
@@ -207,6 +213,7 @@ class Outbox:
         """Queue dead letters again (all when `ids` is None), as new rows; how many."""
         where, params = _which(ids)
         async with self.db.transaction() as conn:
+            await _refuse_unknown(conn, ids)
             cur = await conn.execute(
                 "INSERT INTO outbox (subject, headers, data, size, created_at) "
                 f"SELECT subject, headers, data, size, created_at FROM dead_letter {where} "
@@ -221,6 +228,7 @@ class Outbox:
         """Forget dead letters for good (all when `ids` is None); how many."""
         where, params = _which(ids)
         async with self.db.transaction() as conn:
+            await _refuse_unknown(conn, ids)
             cur = await conn.execute(f"DELETE FROM dead_letter {where}", params)
         log.warning("outbox_dead_letters_dropped", rows=cur.rowcount)
         return cur.rowcount
@@ -230,6 +238,19 @@ def _which(ids: Sequence[int] | None) -> tuple[str, tuple[int, ...]]:
     if ids is None:
         return "", ()
     return f"WHERE id IN ({', '.join('?' * len(ids))})", tuple(ids)
+
+
+async def _refuse_unknown(conn: aiosqlite.Connection, ids: Sequence[int] | None) -> None:
+    """Raise before changing anything when an id names no dead letter: a typo must not pass
+    as "retried" (or drop some rows of a list and not others)."""
+    if ids is None:
+        return
+    where, params = _which(ids)
+    async with conn.execute(f"SELECT id FROM dead_letter {where}", params) as cur:
+        found = {int(r[0]) for r in await cur.fetchall()}
+    missing = sorted(set(ids) - found)
+    if missing:
+        raise NoSuchDeadLetter(missing)
 
 
 async def _used(conn: aiosqlite.Connection) -> int:

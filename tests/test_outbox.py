@@ -196,8 +196,14 @@ async def test_rows_the_island_refuses_for_good_are_set_aside_and_the_rest_flow(
     assert [r["subject"] for r in rows] == ["evt.d.huge", "evt.d.big"]
     assert "larger than the island takes" in rows[0]["reason"]
     assert "refused by the island" in rows[1]["reason"]
+    unknown = run_cli(
+        "edge_agent", "-c", str(config), "dead-letter", "retry", str(rows[1]["id"]), "999"
+    )
+    assert unknown.returncode == 1 and "no dead letter with id 999" in unknown.stderr
+    assert "nothing changed" in unknown.stderr and "Traceback" not in unknown.stderr
     retried = run_cli("edge_agent", "-c", str(config), "dead-letter", "retry", str(rows[1]["id"]))
     assert retried.returncode == 0 and "queued again: 1" in retried.stdout
+    assert run_cli("edge_agent", "-c", str(config), "dead-letter", "drop", "999").returncode == 1
     usage = run_cli("edge_agent", "-c", str(config), "dead-letter", "drop")
     assert usage.returncode == 2
     dropped = run_cli("edge_agent", "-c", str(config), "dead-letter", "drop", "--all")
