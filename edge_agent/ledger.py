@@ -73,8 +73,9 @@ class Ledger:
                     conn, self.subject, result.to_json(), kind="result"
                 )
             except TooLarge as exc:
-                # The run happened: its result must reach the hub, if without its output.
-                smaller = replace(result, output=None, error=f"{result.error or ''} {exc}".strip())
+                # The run happened: its result must reach the hub, if without its output (and
+                # with the head of its error only: a handler's error text can be large too).
+                smaller = replace(result, output=None, error=_shortened(result.error, exc))
                 row_id = await self._outbox.insert(
                     conn, self.subject, smaller.to_json(), kind="result"
                 )
@@ -86,6 +87,15 @@ class Ledger:
             "SELECT key, seq, type, received_at FROM ledger WHERE state = 'running' ORDER BY seq"
         )
         return [Unfinished(r[0], r[1], r[2], r[3]) for r in rows]
+
+
+_ERROR_HEAD = 1024  # characters of a too-large result's own error that are kept
+
+
+def _shortened(error: str | None, why: TooLarge) -> str:
+    if error and len(error) > _ERROR_HEAD:
+        error = f"{error[:_ERROR_HEAD]}… ({len(error)} characters, cut)"
+    return f"{error or ''} {why}".strip()
 
 
 STATS_SQL = (

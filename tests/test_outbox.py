@@ -259,6 +259,24 @@ async def test_a_full_outbox_still_takes_results_and_heartbeats(tmp_path: Path) 
     assert len(beats) < 40
 
 
+async def test_a_result_too_large_for_the_island_is_recorded_without_its_output(
+    tmp_path: Path,
+) -> None:
+    """A handler's output (and error text) over island.max_payload: the result is still
+    recorded with its ledger row, without the output, saying why; never "interrupted"."""
+    async with await StateDB.open(tmp_path / "agent.sqlite3") as db:
+        outbox = Outbox(db, max_bytes=1024**2, max_payload=4096)
+        ledger = Ledger(db, outbox, "d")
+        await ledger.start("c1", 1, "exec", "2026-01-01T00:00:00Z")
+        big = Result("c1", "d", "error", "o" * 8000, "e" * 8000, "t0", "t1", "exec", 1)
+        await ledger.finish("c1", 1, big, "2026-01-01T00:00:00Z")
+        assert (await ledger.unfinished()) == []
+        (row,) = await outbox.batch(10)
+    sent = json.loads(row.data)
+    assert (sent["command_id"], sent["status"], sent["output"]) == ("c1", "error", None)
+    assert sent["error"].startswith("e" * 1024 + "…") and "island.max_payload" in sent["error"]
+
+
 async def test_a_dead_letter_degrades_status_and_shows_in_the_fleet_report(hub: Hub) -> None:
     """A row queued before a smaller max_payload (here: written past the CLI's check) is set
     aside by the running agent; the command result behind it still reaches the hub, status
