@@ -32,7 +32,7 @@ from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential_ji
 
 from edge_agent.commands import CANCEL_WAIT_S, Executor
 from edge_agent.config import Config
-from edge_agent.errors import EdgeAgentError, OutboxError
+from edge_agent.errors import OutboxError, ProtocolError
 from edge_agent.fence import CommandFence
 from edge_agent.handlers import Handler, builtin_handlers
 from edge_agent.health import LinkTracker, collect_status, heartbeat_payload, write_clock
@@ -138,7 +138,7 @@ class Agent:
         )
         self._db = await StateDB.open(self.config.agent.database)
         self.outbox = Outbox(self._db, self.config.outbox.max_bytes, self.config.island.max_payload)
-        failure: EdgeAgentError | None = None
+        failure: ProtocolError | None = None
         try:
             async with asyncio.TaskGroup() as tg:
                 self._spawn(tg, self.island.run())
@@ -146,7 +146,7 @@ class Agent:
                 self._spawn(tg, self._wait_for_shutdown())
         except* _Shutdown:
             pass
-        except* EdgeAgentError as group:
+        except* ProtocolError as group:
             # The agent's own errors (a bad seed file, no nats-server) leave the task group
             # once, as themselves: `cli.main` turns them into one line and an exit code.
             failure = group.exceptions[0]  # type: ignore[assignment]
