@@ -206,9 +206,15 @@ class _Rounds:
     fleet: _Fleet
     # device → (its leaf connection id, when both its streams last answered)
     checked: dict[str, tuple[int, float]] = field(default_factory=dict)
+    # A recorded incarnation whose streams are not provisioned yet (the hub failed in between,
+    # e.g. during a reload): the registry already knows it, so provision again until it works.
+    unprovisioned: bool = False
 
     async def run(self, leafz: Mapping[str, object]) -> None:
         """Ask every linked device whose connection is new (or checked long ago), at once."""
+        if self.unprovisioned:
+            await provision(self.js, self.config, await self.registry.list())
+            self.unprovisioned = False
         now = time.monotonic()
         due: list[tuple[Device, int]] = []
         for name, leaf in _leaf_ids(leafz).items():
@@ -220,7 +226,9 @@ class _Rounds:
         for (device, leaf), seen in zip(due, answers, strict=True):
             if any(not _known(device, s, i) for s, i in seen.items()):
                 current = await self.registry.get(device.device_id)
+                self.unprovisioned = True
                 await record(self.js, self.config, self.registry, current, seen)
+                self.unprovisioned = False
                 self.fleet.forget()
             # Right after the link comes up the agent may not have made its streams yet: ask
             # again at the next round until both have answered.
