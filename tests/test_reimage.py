@@ -4,7 +4,11 @@ sequence 1, and no command whose result the hub has runs again."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +20,9 @@ from hub_ingest.audit import audit_archive
 from hub_ingest.commands import command_status
 from hub_ingest.registry import Registry
 from hub_ingest.report import collect_report
-from tests.support.cluster import Device, Hub, stream_messages
+from tests.support.cluster import Device, Hub, start_hub, stream_messages
 from tests.support.commands import counter_program, runs, send_command
+from tests.support.hub_config import write_hub_config
 from tests.support.ingest import ingest_config, run_once, telemetry
 from tests.support.waiting import eventually
 
@@ -177,3 +182,34 @@ async def test_lost_agent_state_with_the_store_kept_runs_no_command_again(
     assert result["status"] == "ok"
     assert [r["status"] for r in await _results(hub, before.id)] == ["ok"]
     assert runs(ran) == 2  # `before` once, `after` once
+
+
+async def test_the_watch_command_mirrors_a_new_device_and_stops_on_sigterm(
+    tmp_path: Path,
+) -> None:
+    """`hub-ingest watch` as its unit runs it: a device's first incarnation is mirrored (its
+    readings reach the aggregate), and SIGTERM ends it with exit code 0."""
+    hub = await start_hub(tmp_path, watching=False)
+    watch = None
+    try:
+        config = write_hub_config(hub.config, tmp_path / "hub.toml")
+        log = tmp_path / "watch.log"
+        with log.open("wb") as out:
+            watch = subprocess.Popen(
+                [sys.executable, "-m", "hub_ingest", "-c", str(config), "watch"],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+        a = await hub.device("a")
+        await _publish(a, range(3))
+        await eventually(lambda: _readings(hub, "a", 3), timeout=TIMEOUT, what="3 readings")
+        watch.send_signal(signal.SIGTERM)
+        code = await asyncio.to_thread(watch.wait, 30)
+        output = log.read_text()
+        assert code == 0, output
+        assert "incarnation_first_seen" in output
+    finally:
+        if watch is not None and watch.poll() is None:
+            watch.kill()
+            watch.wait()
+        await hub.close()
