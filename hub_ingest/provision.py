@@ -46,7 +46,7 @@ from edge_agent.protocol.names import (
 from edge_agent.protocol.reconcile import Reconciled, reconcile_stream
 from hub_ingest.config import HubConfig
 from hub_ingest.errors import ProvisionError
-from hub_ingest.registry import Device, Incarnation
+from hub_ingest.registry import Device, Incarnation, Registry
 
 log = structlog.get_logger(__name__)
 
@@ -55,6 +55,7 @@ MANAGED_BY = {"managed-by": "hub-ingest"}
 # commands) and the deliveries of mirrors across the link (`naming.to_hub_prefix`,
 # `to_device_prefix`). Another stream listening on any of them would store fleet messages a
 # second time, or take them from the streams that should have them.
+_ROUNDS = 5  # of provisioning, while the registry changes under it
 FLEET_SUBJECTS = ("cmd.>", "fleet.>", "tele.>", "evt.>", "hubin.>", "devin.>")
 
 
@@ -297,9 +298,25 @@ async def provision(
     with `adopt`, same-named streams of another owner are taken over.
     """
     await check_foreign_streams(js, adopt=adopt)
+    registry = await Registry.open(js)
+    devices = list(devices)
+    for _ in range(_ROUNDS):
+        results = await _provision_once(js, config, devices)
+        # Another provisioner (`hub-ingest watch` recording an incarnation, a `device add`)
+        # may have written from an older registry while this one ran: whoever finishes last
+        # makes the streams match the registry as it is now.
+        fresh = await registry.list()
+        if fresh == sorted(devices, key=lambda d: d.device_id):
+            return results
+        devices = fresh
+    raise ProvisionError(f"the device registry kept changing over {_ROUNDS} provisioning rounds")
+
+
+async def _provision_once(
+    js: JetStreamContext, config: HubConfig, devices: list[Device]
+) -> list[Reconciled]:
     # Shards whose last device was removed still exist and must stop sourcing it.
     shards = {shard for name in await stream_names(js) for shard in _shard_of(name)}
-    devices = list(devices)
     mirrors = [m for d in devices for m in device_mirrors(config, d)]
     commands = [commands_stream(config), *(device_commands(config, d) for d in devices)]
     results = []

@@ -64,7 +64,7 @@ def _check(item: Incoming) -> None:
         assert str(exc).startswith(f"{exc.field}: ") and exc.problem
     else:
         assert isinstance(command, Command)
-        assert command.type in KNOWN and command.target in (DEVICE, "all")
+        assert command.type in KNOWN and command.device_id in (DEVICE, "all")
         assert command.expires_at is None or command.expires_at > NOW
     found = command_id(item, MAX_PAYLOAD)
     assert found is None or (isinstance(found, str) and 0 < len(found) <= 128)
@@ -105,4 +105,4 @@ def test_a_good_envelope_parses() -> None:
         KNOWN,
         NOW,
     )
-    assert (command.id, command.type, command.target) == ("c-1", "ping", "a")
+    assert (command.id, command.type, command.device_id) == ("c-1", "ping", "a")

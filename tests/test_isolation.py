@@ -98,7 +98,11 @@ async def test_a_cannot_read_b_commands_or_fleet_data(hub: Hub, rogue: Client) -
 
     # The same connection and key still read a's own commands: the refusals above are
     # the hub's permissions, not a broken link.
-    mine = await hub_js.get_msg("CMD_a", 1, subject="cmd.a.mine", next=True, direct=True)
+    mine = await eventually(
+        lambda: hub_js.get_msg("CMD_a", 1, subject="cmd.a.mine", next=True, direct=True),
+        timeout=30,
+        what="a's own command read through the hub",
+    )
     assert mine.subject == "cmd.a.mine"
 
 

@@ -8,10 +8,12 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import nats
 import pytest
 from nats.aio.client import Client
+from nats.js import JetStreamContext
 from nats.js.api import StreamConfig
 
 from edge_agent.errors import OutboxFull
@@ -53,13 +55,19 @@ async def _connect(url: str) -> Client:
     )
 
 
+async def _events_stream(island: NatsServer, **limits: Any) -> tuple[Client, JetStreamContext]:
+    """A client of the island and its EVENTS stream on evt.>, with `limits`."""
+    nc = await _connect(island.url)  # type: ignore[attr-defined]
+    js = nc.jetstream()
+    await js.add_stream(StreamConfig(name="EVENTS", subjects=["evt.>"], **limits))
+    return nc, js
+
+
 async def test_rows_held_while_island_is_killed_arrive_once_in_order(
     island: NatsServer, tmp_path: Path
 ) -> None:
     """SIGKILL the island mid-drain and add rows while it is down: each arrives exactly once."""
-    nc = await _connect(island.url)  # type: ignore[attr-defined]
-    js = nc.jetstream()
-    await js.add_stream(StreamConfig(name="EVENTS", subjects=["evt.>"], duplicate_window=120))
+    nc, js = await _events_stream(island, duplicate_window=120)
     async with await StateDB.open(tmp_path / "agent.sqlite3") as db:
         outbox = Outbox(db, max_bytes=64 * 1024**2)
         drainer = Drainer(outbox, js, ack_timeout=1.0)
@@ -83,10 +91,7 @@ async def test_rows_held_while_island_is_killed_arrive_once_in_order(
 
 async def test_rows_wait_while_the_island_refuses_them(island: NatsServer, tmp_path: Path) -> None:
     """A stream that refuses writes (full, discard new) leaves rows in SQLite until it accepts."""
-    nc = await _connect(island.url)  # type: ignore[attr-defined]
-    js = nc.jetstream()
-    full = StreamConfig(name="EVENTS", subjects=["evt.>"], max_msgs=1, discard="new")
-    await js.add_stream(full)
+    nc, js = await _events_stream(island, max_msgs=1, discard="new")
     await js.publish("evt.d.first", b"first")
     async with await StateDB.open(tmp_path / "agent.sqlite3") as db:
         outbox = Outbox(db, max_bytes=1024**2)
@@ -175,9 +180,7 @@ async def test_rows_the_island_refuses_for_good_are_set_aside_and_the_rest_flow(
 ) -> None:
     """A row over the island's max_payload and one over the stream's max_msg_size go to the
     dead letters; the rows behind them arrive; the CLI lists, retries and drops them."""
-    nc = await _connect(island.url)  # type: ignore[attr-defined]
-    js = nc.jetstream()
-    await js.add_stream(StreamConfig(name="EVENTS", subjects=["evt.>"], max_msg_size=4096))
+    nc, js = await _events_stream(island, max_msg_size=4096)
     config = _agent_toml(tmp_path)
     async with await StateDB.open(tmp_path / "state" / "agent.sqlite3") as db:
         outbox = Outbox(db, max_bytes=64 * 1024**2)  # no max_payload: as rows queued earlier
@@ -218,9 +221,7 @@ async def test_a_batch_of_nothing_but_refused_rows_does_not_stop_the_drainer(
     island: NatsServer, tmp_path: Path
 ) -> None:
     """Every row of the batch set aside: the drainer goes on (it once crashed the agent)."""
-    nc = await _connect(island.url)  # type: ignore[attr-defined]
-    js = nc.jetstream()
-    await js.add_stream(StreamConfig(name="EVENTS", subjects=["evt.>"]))
+    nc, js = await _events_stream(island)
     async with await StateDB.open(tmp_path / "agent.sqlite3") as db:
         outbox = Outbox(db, max_bytes=64 * 1024**2)
         await outbox.append("evt.d.huge", b"h" * (2 * 1024**2))
@@ -308,9 +309,7 @@ async def test_flush_keeps_its_deadline_while_rows_keep_coming(
     island: NatsServer, tmp_path: Path
 ) -> None:
     """Shutdown's flush returns at its deadline even though a script never stops publishing."""
-    nc = await _connect(island.url)  # type: ignore[attr-defined]
-    js = nc.jetstream()
-    await js.add_stream(StreamConfig(name="EVENTS", subjects=["evt.>"]))
+    nc, js = await _events_stream(island)
     async with await StateDB.open(tmp_path / "agent.sqlite3") as db:
         outbox = Outbox(db, max_bytes=256 * 1024**2)
         stop = asyncio.Event()
