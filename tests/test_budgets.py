@@ -15,9 +15,8 @@ from edge_agent.outbox import Outbox
 from hub_ingest.registry import Registry
 from hub_ingest.report import collect_report
 from tests.support.cluster import Hub, run_cli, write_agent_config
-from tests.support.waiting import eventually
+from tests.support.waiting import RESUME_TIMEOUT, eventually
 
-RESUME_TIMEOUT = 90  # sources resume 10-40 s after a link returns
 READINGS, NOTES = 2000, 100
 
 

@@ -15,7 +15,7 @@ from edge_agent.health import collect_status
 from tests.support.cluster import Device, Hub, run_cli, stream_messages
 from tests.support.commands import counter_program, results, runs, send_command
 from tests.support.hub_config import write_hub_config
-from tests.support.waiting import eventually
+from tests.support.waiting import RESUME_TIMEOUT, eventually
 
 MIRROR_STALLED_S = 12  # past this, nats-server 2.15 resumes the mirror 10-40 s after restore
 
@@ -56,7 +56,7 @@ async def test_command_issued_offline_runs_once_after_link_returns(
     a = await hub.device(
         "a", sections={"commands": {"exec_allow": [[*counter, "*"]]}}, register_when_ready=True
     )
-    await eventually(lambda: _mirror_live(a), timeout=30, what="mirror in contact")
+    await eventually(lambda: _mirror_live(a), timeout=RESUME_TIMEOUT, what="mirror in contact")
     a.proxy.cut()
     await a.wait_link(up=False)
     sent = await _hub_cli(

@@ -25,7 +25,7 @@ from hub_ingest.registry import Registry
 from hub_ingest.report import collect_report
 from tests.support.cluster import Device, Hub, NatsServer, free_port, stream_messages
 from tests.support.commands import send_command
-from tests.support.waiting import eventually
+from tests.support.waiting import RESUME_TIMEOUT, eventually
 
 # Refused requests never reach a responder: nats-py says "no responders" or times out.
 REFUSED = (
@@ -73,7 +73,9 @@ async def test_a_cannot_read_b_commands_or_fleet_data(hub: Hub, rogue: Client) -
     b = await hub.device("b")
     await hub.js.publish("cmd.b.secret", b"{}")
     await hub.js.publish("cmd.a.mine", b"{}")
-    await eventually(lambda: _has(b, "cmd.b.secret"), timeout=30, what="b has its command")
+    await eventually(
+        lambda: _has(b, "cmd.b.secret"), timeout=RESUME_TIMEOUT, what="b has its command"
+    )
     await b.js.publish("tele.temp", b"b-reading")
     await eventually(lambda: _fleet_has(hub, "fleet.b.tele.temp"), timeout=60)
     hub_js = rogue.jetstream(domain="hub", timeout=2)
@@ -124,7 +126,9 @@ async def test_a_cannot_mirror_b_commands_or_publish_commands(hub: Hub, rogue: C
         )
     await hub.js.publish("cmd.b.ping", b"{}")
     await hub.js.publish("cmd.a.ping", b"{}")
-    await eventually(lambda: _has(b, "cmd.b.ping"), timeout=30, what="b's mirror has it")
+    await eventually(
+        lambda: _has(b, "cmd.b.ping"), timeout=RESUME_TIMEOUT, what="b's mirror has it"
+    )
     await eventually(
         lambda: _count(island, "OWN", 1), timeout=60, what="the rogue's mirror of CMD_a"
     )

@@ -16,10 +16,9 @@ from hub_ingest.job import _translate
 from tests.support.cluster import Hub
 from tests.support.hub_config import write_hub_config
 from tests.support.ingest import aggregate_has, ingest_config, run_once, telemetry
-from tests.support.waiting import eventually
+from tests.support.waiting import RESUME_TIMEOUT, eventually
 
 pytestmark = pytest.mark.spark
-RESUME_TIMEOUT = 90  # sources and mirrors resume 10-40 s after a link returns
 
 
 async def test_two_devices_and_a_cut_link_archived_once_with_device_time(

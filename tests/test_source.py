@@ -15,9 +15,7 @@ from hub_ingest.errors import ConfigError, DataLossError
 from hub_ingest.source import JetStreamReader, SeqRange, SourceOptions
 from tests.support.cluster import Hub
 from tests.support.ingest import aggregate_has, ingest_config, run_once, telemetry
-from tests.support.waiting import eventually
-
-RESUME_TIMEOUT = 90
+from tests.support.waiting import RESUME_TIMEOUT, eventually
 
 
 def test_options_arrive_lower_cased_and_are_checked() -> None:

@@ -9,6 +9,10 @@ from typing import TypeVar
 
 T = TypeVar("T")
 
+# A stock nats-server source or mirror starts or resumes 10-40 s after its link is there (its
+# first consumer request may have raced the leaf connection): waits on one allow this much.
+RESUME_TIMEOUT = 90
+
 
 async def eventually(
     probe: Callable[[], Awaitable[T]],
