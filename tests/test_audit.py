@@ -10,8 +10,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from hub_ingest.audit import Gap, audit_archive, committed_files
+from hub_ingest.localfleet import write_hub_toml
 from tests.support.cluster import Hub, run_cli
-from tests.support.hub_config import write_hub_config
 
 
 def _rows(
@@ -104,7 +104,7 @@ async def test_audit_cli_exit_codes_and_backlog(hub: Hub, tmp_path: Path) -> Non
     await hub.register("a")
     archive = hub.config.ingest.archive
     _write_archive(archive, _rows("a", "FLEET_TELEMETRY", [1, 2, 3]))
-    config = write_hub_config(hub.config, tmp_path / "hub.toml")
+    config = write_hub_toml(hub.config, tmp_path / "hub.toml")
 
     clean = run_cli("hub_ingest", "audit", "--config", str(config), "--json")
     assert clean.returncode == 0, clean.stderr

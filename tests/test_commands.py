@@ -12,9 +12,9 @@ from typing import Any
 
 from edge_agent.handlers import HandlerContext, builtin_handlers
 from edge_agent.health import collect_status
+from hub_ingest.localfleet import write_hub_toml
 from tests.support.cluster import Device, Hub, run_cli, stream_messages
 from tests.support.commands import counter_program, results, runs, send_command
-from tests.support.hub_config import write_hub_config
 from tests.support.waiting import RESUME_TIMEOUT, eventually
 
 MIRROR_STALLED_S = 12  # past this, nats-server 2.15 resumes the mirror 10-40 s after restore
@@ -42,7 +42,7 @@ async def _mirror_live(device: Device) -> bool:
 
 async def _hub_cli(hub: Hub, tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     """``hub-ingest`` in a thread: the in-process agents must keep running meanwhile."""
-    config = write_hub_config(hub.config, tmp_path / "hub.toml")
+    config = write_hub_toml(hub.config, tmp_path / "hub.toml")
     return await asyncio.to_thread(run_cli, "hub_ingest", "-c", str(config), *args)
 
 

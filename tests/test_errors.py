@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 from hub_ingest.auth import new_seed
+from hub_ingest.localfleet import write_hub_toml
 from tests.support.cluster import NATS_SERVER, Hub, free_port, run_cli
-from tests.support.hub_config import write_hub_config
 
 
 def _agent_config(tmp_path: Path, credentials: Path | None, **island: str) -> Path:
@@ -92,8 +92,8 @@ def test_run_with_a_bad_seed_or_no_nats_server_is_one_line(tmp_path: Path) -> No
         tmp_path, _seed(tmp_path, new_seed() + "\n"), nats_server="/nonexistent/nats-server"
     )
     result = run_cli("edge_agent", "-c", str(no_server), "run", timeout=60)
-    assert result.returncode == 1
-    assert "/nonexistent/nats-server" in _one_line(result.stderr)
+    assert result.returncode == 2  # a config error: the setting is named
+    assert "island.nats_server: /nonexistent/nats-server" in _one_line(result.stderr)
 
 
 async def test_hub_reload_without_its_monitoring_endpoint_is_one_line(
@@ -103,7 +103,7 @@ async def test_hub_reload_without_its_monitoring_endpoint_is_one_line(
     monitoring endpoint; an endpoint that does not answer is an error naming the key."""
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        config = write_hub_config(hub.config, tmp_path / "hub.toml")
+        config = write_hub_toml(hub.config, tmp_path / "hub.toml")
         pid_file = tmp_path / "fake.pid"
         pid_file.write_text(str(sleeper.pid))
         text = config.read_text()
@@ -123,7 +123,7 @@ async def test_hub_reload_without_its_monitoring_endpoint_is_one_line(
 
 async def test_report_json_with_the_hub_down_keeps_stdout_clean(hub: Hub, tmp_path: Path) -> None:
     """Connection errors are logged on stderr: stdout holds only what `--json` prints."""
-    config = write_hub_config(hub.config, tmp_path / "hub.toml")
+    config = write_hub_toml(hub.config, tmp_path / "hub.toml")
     config.write_text(config.read_text().replace(hub.url, f"nats://127.0.0.1:{free_port()}"))
     result = await asyncio.to_thread(
         run_cli, "hub_ingest", "-c", str(config), "report", "--json", timeout=120

@@ -20,10 +20,11 @@ from nats.js.errors import NotFoundError, ServiceUnavailableError
 
 from edge_agent.island import read_seed
 from edge_agent.protocol.names import inbox_prefix
+from edge_agent.protocol.natsserver import ServerProcess
 from hub_ingest.commands import command_status
 from hub_ingest.registry import Registry
 from hub_ingest.report import collect_report
-from tests.support.cluster import Device, Hub, NatsServer, free_port, stream_messages
+from tests.support.cluster import Device, Hub, free_port, stream_messages
 from tests.support.commands import send_command
 from tests.support.waiting import RESUME_TIMEOUT, eventually
 
@@ -51,7 +52,7 @@ leafnodes {{ remotes: [ {{ urls: ["nats-leaf://127.0.0.1:{hub.leaf_port}"],
   nkey: "{read_seed(hub.seed_file("a"))}" }} ] }}
 """
     )
-    server = await NatsServer(conf, f"http://127.0.0.1:{monitor}").start()
+    server = await ServerProcess(conf, f"http://127.0.0.1:{monitor}").start()
     await eventually(server.monitor.leaf_connected, timeout=30, what="rogue leaf connected")
     # Replies come back only on the prefix a's key may subscribe to, as the agent's do.
     nc = await nats.connect(f"nats://127.0.0.1:{port}", inbox_prefix=inbox_prefix("a"))

@@ -13,8 +13,8 @@ from pyspark.sql import SparkSession
 
 from hub_ingest.audit import audit_archive, read_archive
 from hub_ingest.job import _translate
+from hub_ingest.localfleet import write_hub_toml
 from tests.support.cluster import Hub
-from tests.support.hub_config import write_hub_config
 from tests.support.ingest import aggregate_has, ingest_config, run_once, telemetry
 from tests.support.waiting import RESUME_TIMEOUT, eventually
 
@@ -98,7 +98,7 @@ async def test_sigkill_mid_batch_then_rerun_loses_and_duplicates_nothing(
         await a.js.publish("tele.temp", str(i).encode())
     await eventually(lambda: aggregate_has(hub, "FLEET_TELEMETRY", total), timeout=RESUME_TIMEOUT)
     config = ingest_config(hub, max_messages_per_trigger=300, messages_per_partition=150)
-    path = write_hub_config(config, tmp_path / "hub.toml")
+    path = write_hub_toml(config, tmp_path / "hub.toml")
     job = subprocess.Popen(
         [sys.executable, "-m", "hub_ingest", "run", "--config", str(path), "--once"],
         stdout=subprocess.DEVNULL,

@@ -15,9 +15,10 @@ from edge_agent.app import shutdown_budget
 from edge_agent.config import load_config
 from edge_agent.health import collect_status
 from edge_agent.outbox import Outbox
+from edge_agent.protocol.natsserver import ServerProcess
 from edge_agent.statedb import StateDB
 from tests.support.agent_process import AgentProcess
-from tests.support.cluster import Hub, NatsServer, run_cli, stream_messages, write_agent_config
+from tests.support.cluster import Hub, run_cli, stream_messages, write_agent_config
 from tests.support.commands import counter_program, results, runs, send_command
 from tests.support.waiting import eventually
 
@@ -95,7 +96,7 @@ async def test_sigterm_lets_the_command_finish_and_flushes_the_outbox(
     assert local["outbox"]["depth"] == 0 and local["outbox"]["oldest_age_s"] is None
     assert local["commands"]["executed"] == 1 and local["commands"]["last_seq"] == 1
 
-    island = NatsServer(a.config.island.config_path, a.config.island.monitor_url)
+    island = ServerProcess(a.config.island.config_path, a.config.island.monitor_url)
     await island.start()
     try:
         await a.connect()

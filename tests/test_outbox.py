@@ -21,16 +21,17 @@ from edge_agent.health import collect_status
 from edge_agent.ledger import Ledger
 from edge_agent.outbox import Drainer, Outbox
 from edge_agent.protocol.envelope import Result
+from edge_agent.protocol.natsserver import ServerProcess
 from edge_agent.statedb import StateDB
 from hub_ingest.registry import Registry
 from hub_ingest.report import collect_report
-from tests.support.cluster import Hub, NatsServer, free_port, run_cli, stream_messages
+from tests.support.cluster import Hub, free_port, run_cli, stream_messages
 from tests.support.commands import results, send_command
 from tests.support.waiting import eventually
 
 
 @pytest.fixture
-async def island(tmp_path: Path) -> AsyncIterator[NatsServer]:
+async def island(tmp_path: Path) -> AsyncIterator[ServerProcess]:
     """A JetStream server standing in for the island, with an EVENTS stream on evt.>."""
     port, http = free_port(), free_port()
     conf = tmp_path / "island.conf"
@@ -38,7 +39,7 @@ async def island(tmp_path: Path) -> AsyncIterator[NatsServer]:
         f'listen: "127.0.0.1:{port}"\nhttp: "127.0.0.1:{http}"\n'
         f'jetstream {{ store_dir: "{tmp_path / "js"}" }}\n'
     )
-    server = await NatsServer(conf, f"http://127.0.0.1:{http}").start()
+    server = await ServerProcess(conf, f"http://127.0.0.1:{http}").start()
     server.url = f"nats://127.0.0.1:{port}"  # type: ignore[attr-defined]
     try:
         yield server
@@ -55,7 +56,7 @@ async def _connect(url: str) -> Client:
     )
 
 
-async def _events_stream(island: NatsServer, **limits: Any) -> tuple[Client, JetStreamContext]:
+async def _events_stream(island: ServerProcess, **limits: Any) -> tuple[Client, JetStreamContext]:
     """A client of the island and its EVENTS stream on evt.>, with `limits`."""
     nc = await _connect(island.url)  # type: ignore[attr-defined]
     js = nc.jetstream()
@@ -64,7 +65,7 @@ async def _events_stream(island: NatsServer, **limits: Any) -> tuple[Client, Jet
 
 
 async def test_rows_held_while_island_is_killed_arrive_once_in_order(
-    island: NatsServer, tmp_path: Path
+    island: ServerProcess, tmp_path: Path
 ) -> None:
     """SIGKILL the island mid-drain and add rows while it is down: each arrives exactly once."""
     nc, js = await _events_stream(island, duplicate_window=120)
@@ -89,7 +90,9 @@ async def test_rows_held_while_island_is_killed_arrive_once_in_order(
     await nc.close()
 
 
-async def test_rows_wait_while_the_island_refuses_them(island: NatsServer, tmp_path: Path) -> None:
+async def test_rows_wait_while_the_island_refuses_them(
+    island: ServerProcess, tmp_path: Path
+) -> None:
     """A stream that refuses writes (full, discard new) leaves rows in SQLite until it accepts."""
     nc, js = await _events_stream(island, max_msgs=1, discard="new")
     await js.publish("evt.d.first", b"first")
@@ -176,7 +179,7 @@ def test_publish_refuses_what_the_island_could_never_take(tmp_path: Path) -> Non
 
 
 async def test_rows_the_island_refuses_for_good_are_set_aside_and_the_rest_flow(
-    island: NatsServer, tmp_path: Path
+    island: ServerProcess, tmp_path: Path
 ) -> None:
     """A row over the island's max_payload and one over the stream's max_msg_size go to the
     dead letters; the rows behind them arrive; the CLI lists, retries and drops them."""
@@ -218,7 +221,7 @@ async def test_rows_the_island_refuses_for_good_are_set_aside_and_the_rest_flow(
 
 
 async def test_a_batch_of_nothing_but_refused_rows_does_not_stop_the_drainer(
-    island: NatsServer, tmp_path: Path
+    island: ServerProcess, tmp_path: Path
 ) -> None:
     """Every row of the batch set aside: the drainer goes on (it once crashed the agent)."""
     nc, js = await _events_stream(island)
@@ -306,7 +309,7 @@ async def _answered(hub: Hub, command_id: str) -> bool:
 
 
 async def test_flush_keeps_its_deadline_while_rows_keep_coming(
-    island: NatsServer, tmp_path: Path
+    island: ServerProcess, tmp_path: Path
 ) -> None:
     """Shutdown's flush returns at its deadline even though a script never stops publishing."""
     nc, js = await _events_stream(island)

@@ -13,10 +13,10 @@ from nats.js.api import StreamConfig
 
 from hub_ingest.auth import ensure_operator_key, public_key
 from hub_ingest.errors import RegistryError
+from hub_ingest.localfleet import write_hub_toml
 from hub_ingest.provision import provision, stream_names, subjects_overlap
 from hub_ingest.registry import Incarnation, Registry
 from tests.support.cluster import NATS_SERVER, Hub, run_cli, start_hub
-from tests.support.hub_config import write_hub_config
 
 
 async def _sources(hub: Hub, stream: str) -> list[dict[str, object]]:
@@ -108,7 +108,7 @@ async def test_registry_refuses_duplicates_and_unknown_devices(hub: Hub) -> None
 
 async def test_device_cli_round_trip(hub: Hub, tmp_path: Path) -> None:
     """`hub-ingest device add|list|remove` through the real CLI and a TOML config."""
-    config = write_hub_config(hub.config, tmp_path / "hub.toml")
+    config = write_hub_toml(hub.config, tmp_path / "hub.toml")
 
     def cli(*args: str) -> tuple[int, str, str]:
         result = run_cli("hub_ingest", "-c", str(config), *args)
@@ -145,7 +145,7 @@ async def test_a_key_the_hub_refuses_is_an_error_naming_it(hub: Hub, tmp_path: P
     stranger = tmp_path / "stranger.nk"
     nats_config = replace(hub.config.nats, credentials=stranger)
     ensure_operator_key(replace(hub.config, nats=nats_config))  # a valid key the hub never saw
-    config = write_hub_config(replace(hub.config, nats=nats_config), tmp_path / "hub.toml")
+    config = write_hub_toml(replace(hub.config, nats=nats_config), tmp_path / "hub.toml")
 
     result = await asyncio.to_thread(
         run_cli, "hub_ingest", "-c", str(config), "device", "list", timeout=45
@@ -204,7 +204,7 @@ async def test_a_foreign_stream_on_fleet_subjects_is_refused_and_nothing_changes
 ) -> None:
     """`provision` and `device add` name the stream and its subject, exit 1, change nothing."""
     await hub.js.add_stream(StreamConfig(name="SNOOP", subjects=subjects))
-    config = write_hub_config(hub.config, tmp_path / "hub.toml")
+    config = write_hub_toml(hub.config, tmp_path / "hub.toml")
     registry = await Registry.open(hub.js)  # its stream exists before the snapshot
     before = await stream_names(hub.js)
 
@@ -221,7 +221,7 @@ async def test_a_foreign_stream_on_fleet_subjects_is_refused_and_nothing_changes
 async def test_a_same_named_stream_is_adopted_only_when_asked(hub: Hub, tmp_path: Path) -> None:
     """A CMD_z made by someone else is refused by `device add z`; `--adopt` takes it over."""
     await hub.js.add_stream(StreamConfig(name="CMD_z", subjects=["other.z"]))
-    config = write_hub_config(hub.config, tmp_path / "hub.toml")
+    config = write_hub_toml(hub.config, tmp_path / "hub.toml")
 
     refused = await asyncio.to_thread(
         run_cli, "hub_ingest", "-c", str(config), "device", "add", "z"
@@ -243,7 +243,7 @@ async def test_a_same_named_stream_is_adopted_only_when_asked(hub: Hub, tmp_path
 async def test_provision_of_an_empty_fleet_changes_nothing_the_second_time(
     hub: Hub, tmp_path: Path
 ) -> None:
-    config = write_hub_config(hub.config, tmp_path / "hub.toml")
+    config = write_hub_toml(hub.config, tmp_path / "hub.toml")
     first = await asyncio.to_thread(run_cli, "hub_ingest", "-c", str(config), "provision")
     second = await asyncio.to_thread(run_cli, "hub_ingest", "-c", str(config), "provision")
     assert first.returncode == second.returncode == 0

@@ -18,11 +18,11 @@ from pyspark.sql import SparkSession
 from edge_agent.health import collect_status
 from hub_ingest.audit import audit_archive
 from hub_ingest.commands import command_status
+from hub_ingest.localfleet import write_hub_toml
 from hub_ingest.registry import Registry
 from hub_ingest.report import collect_report
 from tests.support.cluster import Device, Hub, start_hub, stream_messages
 from tests.support.commands import counter_program, runs, send_command
-from tests.support.hub_config import write_hub_config
 from tests.support.ingest import ingest_config, run_once, telemetry
 from tests.support.waiting import eventually
 
@@ -192,7 +192,7 @@ async def test_the_watch_command_mirrors_a_new_device_and_stops_on_sigterm(
     hub = await start_hub(tmp_path, watching=False)
     watch = None
     try:
-        config = write_hub_config(hub.config, tmp_path / "hub.toml")
+        config = write_hub_toml(hub.config, tmp_path / "hub.toml")
         log = tmp_path / "watch.log"
         with log.open("wb") as out:
             watch = subprocess.Popen(

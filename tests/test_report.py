@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from edge_agent.protocol.units import parse_time
+from hub_ingest.localfleet import write_hub_toml
 from hub_ingest.registry import Registry
 from hub_ingest.report import collect_report
 from tests.support.cluster import Hub
-from tests.support.hub_config import write_hub_config
 from tests.support.waiting import eventually
 
 SILENT_AFTER = 5.0  # heartbeats every second; a cut device crosses this within seconds
@@ -82,7 +82,7 @@ async def test_report_flags_cut_and_never_seen_devices(hub: Hub, tmp_path: Path)
     expected = {"a": [], "b": ["silent"], "c": ["never_seen"]}
     await eventually(lambda: _wait_flags(hub, expected), timeout=60, what=f"flags {expected}")
 
-    hub_toml = write_hub_config(hub.config, tmp_path / "hub.toml")
+    hub_toml = write_hub_toml(hub.config, tmp_path / "hub.toml")
     dot = tmp_path / "fleet.dot"
     run = await hub_ingest(
         "-c", str(hub_toml), "report", "--json", "--dot", str(dot), "--silent-after", "5s"
@@ -157,7 +157,7 @@ async def test_report_is_healthy_without_commands_stream(hub: Hub, tmp_path: Pat
     await eventually(lambda: _stored(hub, "FLEET_EVENTS", "fleet.a.evt.a.heartbeat"), timeout=60)
     await hub.js.delete_stream("COMMANDS")
     run = await hub_ingest(
-        "-c", str(write_hub_config(hub.config, tmp_path / "h.toml")), "report", "--json"
+        "-c", str(write_hub_toml(hub.config, tmp_path / "h.toml")), "report", "--json"
     )
     assert run.code == 0, run.stdout + run.stderr
     (device,) = json.loads(run.stdout)["devices"]

