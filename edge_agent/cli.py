@@ -20,6 +20,7 @@ from edge_agent.health import collect_status, render_status
 from edge_agent.island import read_seed, render_config, write_config
 from edge_agent.outbox import Outbox, check_subject
 from edge_agent.protocol.logs import configure_logging
+from edge_agent.protocol.natsserver import check_version, resolve_nats_server
 from edge_agent.statedb import StateDB
 
 EXIT_OK, EXIT_UNHEALTHY, EXIT_USAGE = 0, 1, 2
@@ -154,6 +155,7 @@ def _render(config: Config, output: Path | None) -> int:
     if output is None:
         print(write_config(config))
     elif str(output) == "-":
+        check_version(resolve_nats_server(config.island.nats_server), "island.nats_server")
         sys.stdout.write(render_config(config))
     else:
         write_config(_with_config_path(config, output))

@@ -23,7 +23,7 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_exp
 from edge_agent.config import Config
 from edge_agent.errors import ConfigError, IslandError, IslandUnavailable, is_retriable
 from edge_agent.protocol.monitor import Monitor
-from edge_agent.protocol.natsserver import resolve_nats_server
+from edge_agent.protocol.natsserver import check_version, resolve_nats_server
 
 log = structlog.get_logger(__name__)
 
@@ -122,9 +122,12 @@ def write_config(config: Config) -> Path:
 
 
 def check_config(nats_server: str, path: Path) -> None:
-    """Run ``nats-server -t -c path``; raise with its output when it refuses the file."""
+    """Run ``nats-server -t -c path``; raise with its output when it refuses the file, or
+    when the binary is older than the oldest release this agent supports."""
+    executable = resolve_nats_server(nats_server)
+    check_version(executable, "island.nats_server")
     result = subprocess.run(
-        [resolve_nats_server(nats_server), "-t", "-c", str(path)],
+        [executable, "-t", "-c", str(path)],
         capture_output=True,
         text=True,
         check=False,

@@ -31,6 +31,7 @@ from nats.js.api import (
     ExternalStream,
     StorageType,
     StreamConfig,
+    StreamConsumerSource,
     StreamSource,
 )
 from nats.js.errors import APIError, NotFoundError
@@ -41,12 +42,13 @@ from edge_agent.protocol.names import (
     COMMAND_MIRROR,
     EVENTS,
     INCARNATION,
+    ISLAND_CONSUMER,
     OUTBOUND,
     TELEMETRY,
     command_stream,
     hub_consumer,
     hub_deliver_subject,
-    to_device_prefix,
+    island_deliver_subject,
 )
 from edge_agent.protocol.reconcile import Reconciled, reconcile_stream
 
@@ -84,8 +86,11 @@ def desired_streams(
     incarnations = incarnations or {}
     mirror = StreamSource(
         name=command_stream(config.device_id),
-        external=ExternalStream(
-            api=config.hub.api_prefix, deliver=to_device_prefix(config.device_id)
+        external=ExternalStream(api=config.hub.api_prefix),
+        # Bound to a durable consumer the hub made (ADR-60): after a cut the server resumes
+        # it as soon as that consumer's heartbeats cross again, instead of 10-40 s later.
+        consumer=StreamConsumerSource(
+            name=ISLAND_CONSUMER, deliver_subject=island_deliver_subject(config.device_id)
         ),
     )
     return [

@@ -30,6 +30,7 @@ import nkeys
 from edge_agent.protocol.errors import MonitorUnavailable
 from edge_agent.protocol.monitor import Monitor
 from edge_agent.protocol.names import (
+    ISLAND_CONSUMER,
     command_stream,
     hub_reply_prefix,
     inbox_prefix,
@@ -80,6 +81,8 @@ def device_permissions(device: Device, hub_domain: str) -> dict[str, Any]:
             "allow": [
                 f"{api}.CONSUMER.CREATE.{commands}",
                 f"{api}.CONSUMER.CREATE.{commands}.>",
+                # The island's mirror restarts the consumer it is bound to after a cut.
+                f"{api}.CONSUMER.RESET.{commands}.{ISLAND_CONSUMER}",
                 f"{api}.DIRECT.GET.{commands}",
                 f"{api}.DIRECT.GET.{commands}.>",
                 f"{api}.STREAM.INFO.{commands}",

@@ -25,6 +25,9 @@ from typing import Any
 import structlog
 from nats.js import JetStreamContext
 from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DeliverPolicy,
     DiscardPolicy,
     ExternalStream,
     StorageType,
@@ -33,15 +36,18 @@ from nats.js.api import (
     StreamSource,
     SubjectTransform,
 )
+from nats.js.errors import APIError
 
 from edge_agent.protocol.errors import StreamError
 from edge_agent.protocol.names import (
     HUB_COMMANDS,
+    ISLAND_CONSUMER,
     command_filters,
     command_stream,
     fence_key,
     hub_consumer,
     hub_deliver_subject,
+    island_deliver_subject,
 )
 from edge_agent.protocol.reconcile import Reconciled, reconcile_stream
 from hub_ingest.config import HubConfig
@@ -146,6 +152,28 @@ def device_commands(config: HubConfig, device: Device) -> StreamConfig:
             **{fence_key(i.id): str(i.command_fence) for i in device.incarnations},
         },
     )
+
+
+def island_consumer(device: Device) -> ConsumerConfig:
+    """The durable push consumer on ``CMD_<id>`` that the island's ``COMMANDS`` mirror binds
+    to (see `edge_agent.streams`); it delivers under a prefix only that device may read."""
+    return ConsumerConfig(
+        durable_name=ISLAND_CONSUMER,
+        deliver_subject=island_deliver_subject(device.device_id),
+        deliver_policy=DeliverPolicy.ALL,
+        # The mirror drives acknowledgements through flow control; nothing else acks.
+        ack_policy=AckPolicy.FLOW_CONTROL,
+        flow_control=True,
+        idle_heartbeat=1.0,  # what a mirror expects to see from its origin
+        metadata=MANAGED_BY,
+    )
+
+
+async def provision_commands(js: JetStreamContext, config: HubConfig, device: Device) -> Reconciled:
+    """``CMD_<id>`` and the consumer the device's mirror of it reads through."""
+    result = await reconcile_stream(js, device_commands(config, device))
+    await js.add_consumer(result.name, island_consumer(device))
+    return result
 
 
 def device_sources(aggregate: Aggregate, device: Device) -> list[StreamSource]:
@@ -318,13 +346,16 @@ async def _provision_once(
     # Shards whose last device was removed still exist and must stop sourcing it.
     shards = {shard for name in await stream_names(js) for shard in _shard_of(name)}
     mirrors = [m for d in devices for m in device_mirrors(config, d)]
-    commands = [commands_stream(config), *(device_commands(config, d) for d in devices)]
-    results = []
-    for want in [*commands, *mirrors, *aggregate_streams(config, devices, shards)]:
-        try:
-            result = await reconcile_stream(js, want)
-        except StreamError as exc:
-            raise ProvisionError(str(exc)) from exc
+    try:
+        results = [await reconcile_stream(js, commands_stream(config))]
+        results += [await provision_commands(js, config, d) for d in devices]
+        for want in [*mirrors, *aggregate_streams(config, devices, shards)]:
+            results.append(await reconcile_stream(js, want))
+    except StreamError as exc:
+        raise ProvisionError(str(exc)) from exc
+    except APIError as exc:
+        raise ProvisionError(f"{exc.description} (code {exc.err_code})") from exc
+    for result in results:
         if result.change != "unchanged":
             log.info(
                 "stream_provisioned",
@@ -332,5 +363,4 @@ async def _provision_once(
                 change=result.change,
                 fields=list(result.fields),
             )
-        results.append(result)
     return results

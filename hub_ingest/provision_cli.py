@@ -9,10 +9,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from edge_agent.protocol import errors as protocol
 from edge_agent.protocol.monitor import Monitor
+from edge_agent.protocol.natsserver import check_version, resolve_nats_server
 from hub_ingest.auth import write_auth
 from hub_ingest.config import HubConfig
 from hub_ingest.connect import hub_connection
+from hub_ingest.errors import ConfigError
 from hub_ingest.incarnations import observe, watch
 from hub_ingest.provision import provision
 from hub_ingest.registry import Registry
@@ -42,6 +45,12 @@ def register(sub: Any) -> None:
     r.add_argument(
         "-o", "--output", type=Path, help="write here instead of server.config_file ('-': stdout)"
     )
+    r.add_argument(
+        "--nats-server",
+        default="nats-server",
+        help="the binary the config is for, checked to be recent enough "
+        "(default: the one beside hub-ingest, else on PATH)",
+    )
     r.set_defaults(handler=_render)
 
 
@@ -69,6 +78,10 @@ async def _watch(config: HubConfig) -> int:
 
 
 def _render(config: HubConfig, args: argparse.Namespace) -> int:
+    try:
+        check_version(resolve_nats_server(args.nats_server, "--nats-server"), "--nats-server")
+    except protocol.ConfigError as exc:
+        raise ConfigError(str(exc)) from None
     if not config.server.auth_file.exists():
         # First start: only the operators; `device add` rewrites it from the registry.
         print(f"wrote {write_auth(config, [])} (operators only)", file=sys.stderr)

@@ -13,7 +13,14 @@ from typing import Any
 from edge_agent.handlers import HandlerContext, builtin_handlers
 from edge_agent.health import collect_status
 from hub_ingest.localfleet import write_hub_toml
-from tests.support.cluster import Device, Hub, run_cli, stream_messages
+from tests.support.cluster import (
+    Device,
+    Hub,
+    mirror_live,
+    mirror_silent_for,
+    run_cli,
+    stream_messages,
+)
 from tests.support.commands import counter_program, results, runs, send_command
 from tests.support.waiting import RESUME_TIMEOUT, eventually
 
@@ -25,19 +32,6 @@ async def _result(device: Device, key: str, timeout: float = 30) -> dict[str, An
         return (await results(device.js, "EVENTS")).get(key)
 
     return await eventually(probe, timeout=timeout, what=f"result {key} on {device.id}")
-
-
-async def _mirror_silent_for(device: Device, seconds: float) -> bool:
-    """Whether the mirror last heard from the hub more than `seconds` ago (False if never)."""
-    info = await device.js.stream_info("COMMANDS")
-    active = info.mirror.active if info.mirror else None
-    return active is not None and active > seconds * 1e9
-
-
-async def _mirror_live(device: Device) -> bool:
-    info = await device.js.stream_info("COMMANDS")
-    active = info.mirror.active if info.mirror else None
-    return active is not None and 0 <= active < 2e9
 
 
 async def _hub_cli(hub: Hub, tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -56,7 +50,9 @@ async def test_command_issued_offline_runs_once_after_link_returns(
     a = await hub.device(
         "a", sections={"commands": {"exec_allow": [[*counter, "*"]]}}, register_when_ready=True
     )
-    await eventually(lambda: _mirror_live(a), timeout=RESUME_TIMEOUT, what="mirror in contact")
+    await eventually(
+        lambda: mirror_live(a.js, "COMMANDS"), timeout=RESUME_TIMEOUT, what="mirror in contact"
+    )
     a.proxy.cut()
     await a.wait_link(up=False)
     sent = await _hub_cli(
@@ -73,7 +69,9 @@ async def test_command_issued_offline_runs_once_after_link_returns(
     assert sent.returncode == 0, sent.stderr
     command_id = sent.stdout.strip()
     await eventually(
-        lambda: _mirror_silent_for(a, MIRROR_STALLED_S), timeout=60, what="a long outage"
+        lambda: mirror_silent_for(a.js, "COMMANDS", MIRROR_STALLED_S),
+        timeout=60,
+        what="a long outage",
     )
     assert runs(ran) == 0
     a.proxy.restore()

@@ -131,3 +131,33 @@ async def test_report_json_with_the_hub_down_keeps_stdout_clean(hub: Hub, tmp_pa
     assert result.returncode != 0
     assert result.stdout == ""
     assert "cannot connect to the hub" in result.stderr
+
+
+def test_render_refuses_a_nats_server_older_than_supported(tmp_path: Path) -> None:
+    """Fast resume needs nats-server 2.15: both renders name the binary and both versions."""
+    old = tmp_path / "nats-server-2.12"
+    old.write_text('#!/bin/sh\necho "nats-server: v2.12.8"\n')
+    old.chmod(0o755)
+    agent = _agent_config(tmp_path, _seed(tmp_path, new_seed() + "\n"), nats_server=str(old))
+    result = run_cli("edge_agent", "-c", str(agent), "render-nats-config", "-o", "-")
+    assert result.returncode == 2
+    line = _one_line(result.stderr)
+    assert f"island.nats_server: {old} is nats-server 2.12.8; 2.15.0 or newer" in line
+
+    hub_toml = tmp_path / "hub.toml"
+    hub_toml.write_text(f'state_dir = "{tmp_path / "hub"}"\n')
+    result = run_cli(
+        "hub_ingest",
+        "-c",
+        str(hub_toml),
+        "render-nats-config",
+        "-o",
+        "-",
+        "--nats-server",
+        str(old),
+    )
+    assert result.returncode == 2, result.stderr
+    assert f"--nats-server: {old} is nats-server 2.12.8; 2.15.0 or newer" in result.stderr
+    current = run_cli("hub_ingest", "-c", str(hub_toml), "render-nats-config", "-o", "-")
+    assert current.returncode == 0, current.stderr
+    assert "jetstream" in current.stdout

@@ -18,6 +18,8 @@ OUTBOUND = (TELEMETRY, EVENTS)  # the island streams the hub mirrors
 COMMAND_MIRROR = "COMMANDS"  # the island's mirror of its CMD_<id>
 HUB_COMMANDS = "COMMANDS"  # the hub stream every command is published to (cmd.>)
 INCARNATION = "incarnation"  # stream metadata key: the life of a device stream
+# The durable consumer on the hub's CMD_<id> that the island's COMMANDS mirror binds to.
+ISLAND_CONSUMER = "ISLAND"
 
 
 def js_api(domain: str) -> str:
@@ -43,6 +45,11 @@ def command_filters(device_id: str) -> tuple[str, str]:
 def to_device_prefix(device_id: str) -> str:
     """Deliver prefix of the device's mirror of ``CMD_<id>`` (hub → device)."""
     return f"devin.{device_id}"
+
+
+def island_deliver_subject(device_id: str) -> str:
+    """Where `ISLAND_CONSUMER` delivers: under the device's own to-device prefix."""
+    return f"{to_device_prefix(device_id)}.{COMMAND_MIRROR}"
 
 
 def to_hub_prefix(device_id: str) -> str:

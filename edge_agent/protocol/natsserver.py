@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -17,6 +18,32 @@ from pathlib import Path
 
 from edge_agent.protocol.errors import ConfigError, MonitorUnavailable
 from edge_agent.protocol.monitor import Monitor
+
+# Mirrors bound to a durable consumer (2.14), reset in 5 s and cut short by the consumer's
+# heartbeat (2.15): what makes telemetry and commands resume within seconds of a link's return.
+# 2.14.0 also fixed duplicates after leaf reconnects and 2.14.1 a consumer re-create storm.
+MIN_VERSION = (2, 15, 0)
+
+
+def version_of(executable: str) -> tuple[int, int, int]:
+    """``nats-server --version`` as numbers (``nats-server: v2.15.1`` -> (2, 15, 1))."""
+    out = subprocess.run(
+        [executable, "--version"], capture_output=True, text=True, check=False, timeout=30
+    )
+    found = re.search(r"v?(\d+)\.(\d+)\.(\d+)", out.stdout + out.stderr)
+    if found is None:
+        raise ConfigError("", f"{executable} --version printed no version: {out.stdout!r}")
+    major, minor, patch = (int(g) for g in found.groups())
+    return major, minor, patch
+
+
+def check_version(executable: str, key: str) -> tuple[int, int, int]:
+    """Refuse a nats-server older than `MIN_VERSION`, naming the setting it came from."""
+    version = version_of(executable)
+    if version < MIN_VERSION:
+        have, need = ".".join(map(str, version)), ".".join(map(str, MIN_VERSION))
+        raise ConfigError(key, f"{executable} is nats-server {have}; {need} or newer is needed")
+    return version
 
 
 def resolve_nats_server(name: str, key: str = "island.nats_server") -> str:

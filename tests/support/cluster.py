@@ -26,13 +26,12 @@ from edge_agent.config import Config, parse_config
 from edge_agent.handlers import Handler
 from edge_agent.protocol.monitor import Monitor
 from edge_agent.protocol.natsserver import ServerProcess, resolve_nats_server
-from edge_agent.protocol.reconcile import reconcile_stream
 from hub_ingest.config import HubConfig
 from hub_ingest.enrol import enrol
 from hub_ingest.incarnations import observe, watch
 from hub_ingest.localfleet import free_port, start_local_hub, stream_messages
 from hub_ingest.locallink import LinkProxy
-from hub_ingest.provision import device_commands, mirror_name, provision
+from hub_ingest.provision import mirror_name, provision, provision_commands
 from hub_ingest.registry import Registry
 from tests.support.waiting import eventually
 
@@ -91,7 +90,7 @@ class Hub:
             await self.provision()
         if not streams:
             device = await registry.get(device_id)
-            await reconcile_stream(self.js, device_commands(self.config, device))
+            await provision_commands(self.js, self.config, device)
 
     async def provision(self) -> None:
         registry = await Registry.open(self.js)
@@ -250,6 +249,20 @@ async def start_hub(root: Path, *, watching: bool = True, **aggregates: Any) -> 
     return hub
 
 
+async def mirror_silent_for(js: JetStreamContext, stream: str, seconds: float) -> bool:
+    """Whether mirror `stream` last heard from its origin over `seconds` ago (False if never)."""
+    info = await js.stream_info(stream)
+    active = info.mirror.active if info.mirror else None
+    return active is not None and active > seconds * 1e9
+
+
+async def mirror_live(js: JetStreamContext, stream: str) -> bool:
+    """Whether mirror `stream` heard from its origin in the last two seconds."""
+    info = await js.stream_info(stream)
+    active = info.mirror.active if info.mirror else None
+    return active is not None and 0 <= active < 2e9
+
+
 def run_cli(module: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     """Run ``python -m module args`` and capture its output."""
     return subprocess.run(
@@ -283,4 +296,13 @@ credentials = {json.dumps(str(cfg.hub.credentials))}
     return path
 
 
-__all__ = ["Device", "Hub", "free_port", "run_cli", "start_hub", "stream_messages"]
+__all__ = [
+    "Device",
+    "Hub",
+    "free_port",
+    "mirror_live",
+    "mirror_silent_for",
+    "run_cli",
+    "start_hub",
+    "stream_messages",
+]
