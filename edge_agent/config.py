@@ -14,6 +14,7 @@ from edge_agent.errors import ConfigError
 from edge_agent.protocol.names import island_name, js_api
 from edge_agent.protocol.tomlconf import (
     Section,
+    compression,
     host_port,
     identifier,
     path,
@@ -74,6 +75,7 @@ class HubLinkConfig:
     credentials: Path | None
     tls: TlsConfig | None
     reconnect: float
+    compression: str  # of the leaf link; see tomlconf.COMPRESSION_MODES
 
     @property
     def api_prefix(self) -> str:
@@ -246,6 +248,7 @@ def parse_config(data: dict[str, Any], source: Path | None = None) -> Config:
         credentials=hub_sec.get("credentials", path, None),
         tls=_tls(hub_sec.table("tls")),
         reconnect=hub_sec.get("reconnect", _positive_duration, 0.25),
+        compression=hub_sec.get("compression", compression, "s2_auto"),
     )
     hub_sec.finish()
     if hub.domain == island.domain:

@@ -77,6 +77,7 @@ def render_config(config: Config) -> str:
             if value is not None
         ]
         remote.append("tls {\n        " + "\n        ".join(tls) + "\n      }")
+    remote.append(f"compression: {_q(hub.compression)}")
     remote.append(f"deny_imports: {_qlist(LOCAL_ONLY_SUBJECTS)}")
     remote.append(f"deny_exports: {_qlist(LOCAL_ONLY_SUBJECTS)}")
     remote_block = "\n      ".join(remote)

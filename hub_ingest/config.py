@@ -9,6 +9,7 @@ from typing import Any
 from edge_agent.protocol import errors as agent_errors
 from edge_agent.protocol.tomlconf import (
     Section,
+    compression,
     host_port,
     identifier,
     path,
@@ -53,6 +54,7 @@ class ServerConfig:
     listen: str
     monitor_listen: str
     leaf_listen: str
+    leaf_compression: str  # what the hub offers devices; see tomlconf.COMPRESSION_MODES
     store_dir: Path
     max_file_store: int
     max_memory_store: int
@@ -136,6 +138,7 @@ def _parse(data: dict[str, Any], source: Path | None) -> HubConfig:
         listen=srv.get("listen", _listen, "127.0.0.1:4222"),
         monitor_listen=srv.get("monitor_listen", _listen, "127.0.0.1:8222"),
         leaf_listen=srv.get("leaf_listen", _listen, "0.0.0.0:7422"),
+        leaf_compression=srv.get("leaf_compression", compression, "s2_auto"),
         store_dir=srv.get("store_dir", path, state_dir / "jetstream"),
         # Explicit: nats-server would otherwise take 75% of the disk free at start-up.
         max_file_store=srv.get("max_file_store", parse_size, 10 * 1024**3),

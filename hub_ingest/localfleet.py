@@ -103,6 +103,7 @@ server_name = {json.dumps(srv.server_name)}
 listen = {json.dumps(srv.listen)}
 monitor_listen = {json.dumps(srv.monitor_listen)}
 leaf_listen = {json.dumps(srv.leaf_listen)}
+leaf_compression = {json.dumps(srv.leaf_compression)}
 store_dir = {json.dumps(str(srv.store_dir))}
 max_file_store = {srv.max_file_store}
 max_memory_store = {srv.max_memory_store}

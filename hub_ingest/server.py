@@ -36,6 +36,7 @@ jetstream {{
 
 leafnodes {{
   listen: {json.dumps(srv.leaf_listen)}
+  compression: {json.dumps(srv.leaf_compression)}
   # Devices dial the URLs in their own config (a load balancer, a NAT address); without
   # this the hub gossips its internal listen address and devices reconnect around it.
   no_advertise: true

@@ -54,6 +54,7 @@ def test_minimal_config_gets_documented_defaults(tmp_path: Path) -> None:
             "loopback",
         ),
         (MINIMAL.replace("[island]", '[island]\nsupervise = "maybe"'), "island.supervise", "maybe"),
+        (MINIMAL.replace("[hub]", '[hub]\ncompression = "zip"'), "hub.compression", "s2_auto"),
         (MINIMAL + '[streams.telemetry]\nmax_bytes = "2GiB"\n', "streams", "max_file_store"),
         (MINIMAL + "[streams.events]\nmax_msgs = 3\n", "streams.events.max_msgs", "unknown key"),
         (MINIMAL.replace("[hub]", "[hub]\nreconnect = 'soon'"), "hub.reconnect", "soon"),
