@@ -69,7 +69,9 @@ async def _quiet(exc: Exception) -> None:
     """Local clients reconnect through server restarts on purpose; their errors are noise."""
 
 
-def loopback_hub_config(root: Path, **aggregates: Any) -> HubConfig:
+def loopback_hub_config(
+    root: Path, *, leaf_compression: str = "s2_auto", **aggregates: Any
+) -> HubConfig:
     """A hub under ``root/hub`` listening on free loopback ports."""
     client = f"127.0.0.1:{free_port()}"
     return parse_hub_config(
@@ -83,6 +85,7 @@ def loopback_hub_config(root: Path, **aggregates: Any) -> HubConfig:
                 "listen": client,
                 "monitor_listen": f"127.0.0.1:{free_port()}",
                 "leaf_listen": f"127.0.0.1:{free_port()}",
+                "leaf_compression": leaf_compression,
                 "max_file_store": "1GiB",
             },
         }
@@ -143,9 +146,11 @@ class LocalHub:
         await self.server.stop()
 
 
-async def start_local_hub(root: Path, **aggregates: Any) -> LocalHub:
+async def start_local_hub(
+    root: Path, *, leaf_compression: str = "s2_auto", **aggregates: Any
+) -> LocalHub:
     """Render, start and provision a hub under ``root/hub`` (see `loopback_hub_config`)."""
-    config = loopback_hub_config(root, **aggregates)
+    config = loopback_hub_config(root, leaf_compression=leaf_compression, **aggregates)
     conf = config.server.config_file
     conf.parent.mkdir(parents=True, exist_ok=True)
     write_auth(config, [])

@@ -12,8 +12,32 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import random
 import signal
+import time
+from dataclasses import dataclass
 from types import TracebackType
+
+SEGMENT = 1448  # bytes of payload in one TCP segment on a 1500-byte MTU
+QUEUE_S = 0.25  # the bottleneck's buffer: reading stops while this much is waiting to send
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    """What the link is like, each way: round trip, bandwidth and segment loss.
+
+    A lost segment is resent one retransmission timeout later and holds up everything behind
+    it, as TCP delivers in order: the effect packet loss has on a TCP stream.
+    """
+
+    rtt: float = 0.0  # seconds
+    rate: float = 0.0  # bytes per second each way; 0: unlimited
+    loss: float = 0.0  # chance that a segment is lost once
+    seed: int = 0
+
+    @property
+    def rto(self) -> float:
+        return max(0.2, 2 * self.rtt)  # Linux's minimum RTO is 200 ms
 
 
 class LinkProxy:
@@ -21,12 +45,17 @@ class LinkProxy:
 
     `cut()` closes every connection and refuses new ones (they are accepted and closed at
     once, as a dead LTE link looks to a client); `restore()` lets them through again;
-    `delay` adds latency to every chunk in both directions.
+    `shape` makes it slow and lossy. `bytes_up` / `bytes_down` count what crossed toward the
+    target and back.
     """
 
-    def __init__(self, target_port: int, target_host: str = "127.0.0.1") -> None:
+    def __init__(
+        self, target_port: int, target_host: str = "127.0.0.1", shape: Shape | None = None
+    ) -> None:
         self.target = (target_host, target_port)
-        self.delay = 0.0
+        self.shape = shape or Shape()
+        self.bytes_up = 0
+        self.bytes_down = 0
         self.connections = 0
         self._cut = False
         self._server: asyncio.Server | None = None
@@ -86,8 +115,8 @@ class LinkProxy:
         self.connections += 1
         self._writers.update((writer, up_writer))
         pipes = [
-            asyncio.create_task(self._pipe(reader, up_writer)),
-            asyncio.create_task(self._pipe(up_reader, writer)),
+            asyncio.create_task(self._pipe(reader, up_writer, up=True)),
+            asyncio.create_task(self._pipe(up_reader, writer, up=False)),
         ]
         self._pipes.update(pipes)
         await asyncio.wait(pipes, return_when=asyncio.FIRST_COMPLETED)
@@ -98,13 +127,57 @@ class LinkProxy:
             self._writers.discard(w)
             w.transport.abort()
 
-    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def _count(self, up: bool, n: int) -> None:
+        if up:
+            self.bytes_up += n
+        else:
+            self.bytes_down += n
+
+    async def _pipe(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, up: bool
+    ) -> None:
         with contextlib.suppress(OSError, asyncio.IncompleteReadError):
-            while data := await reader.read(65536):
-                if self.delay:
-                    await asyncio.sleep(self.delay)  # simulated latency, not synchronisation
-                writer.write(data)
+            if self.shape == Shape():
+                while data := await reader.read(65536):
+                    self._count(up, len(data))
+                    writer.write(data)
+                    await writer.drain()
+            else:
+                await self._shaped_pipe(reader, writer, up)
+
+    async def _shaped_pipe(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, up: bool
+    ) -> None:
+        """Segments leave at `rate`, arrive half a round trip later, in order; a lost one
+        arrives an RTO late. The sleeps here are the simulated link, not synchronisation."""
+        shape = self.shape
+        rng = random.Random(shape.seed ^ up)
+        queue: asyncio.Queue[tuple[float, bytes] | None] = asyncio.Queue()
+        sent = arrive = time.monotonic()  # when the link is free / the last segment lands
+
+        async def deliver() -> None:
+            while (item := await queue.get()) is not None:
+                at, segment = item
+                await asyncio.sleep(max(0.0, at - time.monotonic()))
+                self._count(up, len(segment))
+                writer.write(segment)
                 await writer.drain()
+
+        delivery = asyncio.create_task(deliver())
+        try:
+            while data := await reader.read(SEGMENT * 16):
+                for i in range(0, len(data), SEGMENT):
+                    segment = data[i : i + SEGMENT]
+                    now = time.monotonic()
+                    sent = max(sent, now) + (len(segment) / shape.rate if shape.rate else 0.0)
+                    lost = shape.loss and rng.random() < shape.loss
+                    arrive = max(arrive, sent + shape.rtt / 2 + (shape.rto if lost else 0.0))
+                    queue.put_nowait((arrive, segment))
+                await asyncio.sleep(max(0.0, sent - time.monotonic() - QUEUE_S))
+            queue.put_nowait(None)
+            await delivery
+        finally:
+            delivery.cancel()
 
 
 async def _serve(listen: int, target: int) -> None:

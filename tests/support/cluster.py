@@ -241,8 +241,10 @@ class Device:
         await eventually(probe, timeout=timeout, what=f"{self.id} link {'up' if up else 'down'}")
 
 
-async def start_hub(root: Path, *, watching: bool = True, **aggregates: Any) -> Hub:
-    local = await start_local_hub(root, **aggregates)
+async def start_hub(
+    root: Path, *, watching: bool = True, leaf_compression: str = "s2_auto", **aggregates: Any
+) -> Hub:
+    local = await start_local_hub(root, leaf_compression=leaf_compression, **aggregates)
     hub = Hub(local.config, local.server, local.nc, local.js, local.leaf_port, root)
     if watching:
         hub.start_watch()

@@ -1,0 +1,21 @@
+"""A backlog over a slow, lossy link that is also cut while it drains: every reading reaches
+the hub exactly once, and a command sent meanwhile does not wait for the backlog.
+
+`bench/slow_link.py` measures the speed; this checks correctness on a smaller backlog.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from bench.slow_link import LTE, drain
+from hub_ingest.locallink import Shape
+
+
+async def test_backlog_crosses_a_lossy_cut_link_once_and_commands_overtake_it(
+    tmp_path: Path,
+) -> None:
+    lossy = Shape(rtt=LTE.rtt, rate=LTE.rate, loss=0.01, seed=3)
+    run = await drain(tmp_path, 3000, lossy, "s2_auto", cuts=2)
+    assert (run.at_hub, run.lost, run.duplicated) == (3000, 0, 0)
+    assert 0 <= run.command_start_s < 5, f"the command waited {run.command_start_s:.1f}s"
