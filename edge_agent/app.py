@@ -35,7 +35,14 @@ from edge_agent.config import Config
 from edge_agent.errors import OutboxError, ProtocolError
 from edge_agent.fence import CommandFence
 from edge_agent.handlers import Handler, builtin_handlers
-from edge_agent.health import LinkTracker, collect_status, heartbeat_payload, write_clock
+from edge_agent.health import (
+    LinkTracker,
+    Status,
+    collect_status,
+    heartbeat_payload,
+    with_drain_rates,
+    write_clock,
+)
 from edge_agent.hubclock import HubClock
 from edge_agent.island import STOP_TIMEOUT_S, Island
 from edge_agent.ledger import Ledger
@@ -126,6 +133,7 @@ class Agent:
         self._island_was_fresh: bool | None = None  # EVENTS created by the first reconcile
         self._nc: Client | None = None
         self._started = time.monotonic()
+        self._last_status: Status | None = None  # the previous heartbeat's, for drain rates
         self._tasks: set[asyncio.Task[Any]] = set()
         self._recancel: asyncio.Task[None] | None = None
 
@@ -271,6 +279,7 @@ class Agent:
         await self.ready.wait()
         assert self.outbox is not None
         status = await collect_status(self.config, self.island.monitor)
+        status, self._last_status = with_drain_rates(status, self._last_status), status
         subject = f"evt.{self.config.device_id}.heartbeat"
         try:
             payload = heartbeat_payload(status, self._started)

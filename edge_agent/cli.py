@@ -16,7 +16,7 @@ from edge_agent import __version__
 from edge_agent.app import Agent
 from edge_agent.config import DEFAULT_CONFIG_PATH, Config, load_config
 from edge_agent.errors import ConfigError, ProtocolError
-from edge_agent.health import collect_status, render_status
+from edge_agent.health import Status, collect_status, render_status, with_drain_rates
 from edge_agent.island import read_seed, render_config, write_config
 from edge_agent.outbox import Outbox, check_subject
 from edge_agent.protocol.logs import configure_logging
@@ -140,8 +140,18 @@ def _dead_letter(config: Config, args: argparse.Namespace) -> int:
     return asyncio.run(main())
 
 
+async def _sampled_status(config: Config) -> Status:
+    """The status; while a backlog drains, sampled twice a second apart for its rate."""
+    first = await collect_status(config)
+    draining = any(s.uplink and s.uplink.backlog_messages for s in first.streams.values())
+    if not (draining and first.link.up):
+        return first
+    await asyncio.sleep(1.0)  # the sampling interval of the drain rate
+    return with_drain_rates(await collect_status(config), first)
+
+
 def _status(config: Config, as_json: bool, require_link: bool) -> int:
-    status = asyncio.run(collect_status(config))
+    status = asyncio.run(_sampled_status(config))
     if require_link and not status.link.up:
         status.problems.append("leaf link to the hub is down")
     if as_json:

@@ -12,7 +12,7 @@ import json
 import os
 import sqlite3
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +25,8 @@ from edge_agent.outbox import OutboxStats
 from edge_agent.outbox import read_stats as read_outbox_stats
 from edge_agent.protocol.errors import MonitorUnavailable
 from edge_agent.protocol.monitor import Monitor
-from edge_agent.protocol.names import COMMAND_MIRROR, EVENTS, INCARNATION, TELEMETRY
-from edge_agent.protocol.units import utc_now_iso
+from edge_agent.protocol.names import COMMAND_MIRROR, EVENTS, INCARNATION, TELEMETRY, hub_consumer
+from edge_agent.protocol.units import parse_time, utc_now_iso
 from edge_agent.statedb import open_readonly
 
 log = structlog.get_logger(__name__)
@@ -38,6 +38,22 @@ BUDGET_WARN_PCT = 90.0
 class LinkState:
     up: bool
     since: str | None  # ISO-8601 UTC of the last change the agent saw, None if unknown
+
+
+@dataclass(frozen=True, slots=True)
+class Uplink:
+    """An outbound stream's hop to the hub, read from the consumer the hub's mirror binds to.
+
+    A message counts as crossed once the hub's mirror has confirmed it (the consumer's ack
+    floor, which flow control moves); everything after it is still the device's backlog.
+    """
+
+    confirmed_seq: int
+    last_crossed: str | None  # when the hub last confirmed a message (None: never)
+    backlog_messages: int
+    backlog_bytes: int  # estimated from the stream's mean message size
+    drain_rate: float | None = None  # messages/s confirmed since the previous sample
+    drain_eta_s: float | None = None  # backlog at that rate; 0 with no backlog
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +70,7 @@ class StreamStatus:
     dropped: int
     # The stream's incarnation (see `streams`): a new one after a re-image or a new store.
     incarnation: str | None = None
+    uplink: Uplink | None = None  # outbound streams only
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,12 +155,68 @@ class LinkTracker:
         return self.state
 
 
+def _uplink(detail: dict[str, Any], incarnation: str | None) -> Uplink | None:
+    if incarnation is None:
+        return None
+    consumer = next(
+        (
+            c
+            for c in detail.get("consumer_detail") or []
+            if c.get("name") == hub_consumer(incarnation)
+        ),
+        None,
+    )
+    if consumer is None:
+        return None
+    state = detail.get("state") or {}
+    floor = consumer.get("ack_floor") or {}
+    confirmed = int(floor.get("stream_seq", 0))
+    messages, size = int(state.get("messages", 0)), int(state.get("bytes", 0))
+    # Messages the budget evicted before they crossed are counted as `dropped`, not backlog.
+    backlog = max(
+        0, int(state.get("last_seq", 0)) - max(confirmed, int(state.get("first_seq", 1)) - 1)
+    )
+    last = floor.get("last_active")
+    return Uplink(
+        confirmed_seq=confirmed,
+        last_crossed=str(last) if confirmed and last else None,
+        backlog_messages=backlog,
+        backlog_bytes=backlog * size // messages if messages else 0,
+        drain_eta_s=0.0 if backlog == 0 else None,
+    )
+
+
+def with_drain_rates(status: Status, previous: Status | None) -> Status:
+    """`status` with each uplink's drain rate and time to drain since `previous`."""
+    now_at = parse_time(status.checked_at)
+    then_at = parse_time(previous.checked_at) if previous else None
+    if previous is None or now_at is None or then_at is None or now_at <= then_at:
+        return status
+    elapsed = (now_at - then_at).total_seconds()
+    streams = dict(status.streams)
+    for name, stream in status.streams.items():
+        before = previous.streams.get(name)
+        if before is None or before.incarnation != stream.incarnation:
+            continue
+        now, then = stream.uplink, before.uplink
+        if now is None or then is None:
+            continue
+        rate = max(0, now.confirmed_seq - then.confirmed_seq) / elapsed
+        eta = 0.0 if not now.backlog_messages else (now.backlog_messages / rate if rate else None)
+        uplink = replace(
+            now, drain_rate=round(rate, 2), drain_eta_s=None if eta is None else round(eta, 1)
+        )
+        streams[name] = replace(stream, uplink=uplink)
+    return replace(status, streams=streams)
+
+
 def _stream_status(detail: dict[str, Any]) -> StreamStatus:
     state = detail.get("state") or {}
     config = detail.get("config") or {}
     max_bytes = int(config.get("max_bytes", -1))
     used = int(state.get("bytes", 0))
     first_seq = int(state.get("first_seq", 0))
+    incarnation = (config.get("metadata") or {}).get(INCARNATION)
     return StreamStatus(
         name=str(detail.get("name")),
         messages=int(state.get("messages", 0)),
@@ -153,7 +226,8 @@ def _stream_status(detail: dict[str, Any]) -> StreamStatus:
         first_seq=first_seq,
         last_seq=int(state.get("last_seq", 0)),
         dropped=max(first_seq - 1, 0),
-        incarnation=(config.get("metadata") or {}).get(INCARNATION),
+        incarnation=incarnation,
+        uplink=_uplink(detail, incarnation),
     )
 
 
@@ -198,7 +272,7 @@ async def collect_status(config: Config, monitor: Monitor | None = None) -> Stat
     try:
         healthz = await monitor.get("/healthz")
         leaf_up = await monitor.leaf_connected()
-        jsz = await monitor.get("/jsz?streams=true&config=true")
+        jsz = await monitor.get("/jsz?streams=true&consumers=true&config=true")
     except MonitorUnavailable as exc:
         return Status(
             device_id=config.device_id,
@@ -274,6 +348,14 @@ def render_status(status: Status) -> str:
             lines.append(
                 f"{s.name:<12}{s.messages:>10}{_size(s.bytes):>12}"
                 f"{s.budget_used_pct:>7.1f}%{s.dropped:>9}"
+            )
+    for s in status.streams.values():
+        if s.uplink is not None:
+            up = s.uplink
+            eta = f", drains in {up.drain_eta_s:.0f}s" if up.drain_eta_s else ""
+            lines.append(
+                f"uplink      {s.name}: {up.backlog_messages} waiting ({_size(up.backlog_bytes)})"
+                f"{eta}, last crossed {up.last_crossed or 'never'}"
             )
     if status.mirror is not None:
         contact = (

@@ -98,6 +98,9 @@ class DeviceReport:
     incarnations: tuple[Incarnation, ...] = ()
     # Results and heartbeats this device sent that claim another device: ignored, counted.
     forged_events: int = 0
+    # Per outbound stream, as of the latest heartbeat: when a message last crossed, the
+    # backlog still on the device (messages, bytes) and its time to drain at the current rate.
+    uplinks: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
     @property
     def incarnation(self) -> str | None:
@@ -301,6 +304,18 @@ def _beat_figure(heartbeat: Mapping[str, Any] | None, *path: str) -> int | None:
     for key in path:
         value = value.get(key) if isinstance(value, dict) else None
     return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _beat_uplinks(heartbeat: Mapping[str, Any] | None) -> dict[str, dict[str, Any]]:
+    """Each stream's ``uplink`` block of a heartbeat (see `edge_agent.health.Uplink`)."""
+    streams = (_beat_body(heartbeat) or {}).get("streams")
+    if not isinstance(streams, dict):
+        return {}
+    return {
+        name: body["uplink"]
+        for name, body in streams.items()
+        if isinstance(body, dict) and isinstance(body.get("uplink"), dict)
+    }
 
 
 def _commands(msgs: Iterable[Msg]) -> list[_Command]:
@@ -529,6 +544,7 @@ async def collect_report(
                 flags=_flags(last_seen, silent_after),
                 incarnations=device.incarnations,
                 forged_events=forged.counts[device.device_id],
+                uplinks=_beat_uplinks(heartbeat),
             )
         )
     warnings.extend(forged.warnings())

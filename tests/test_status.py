@@ -7,8 +7,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from hub_ingest.registry import Registry
+from hub_ingest.report import collect_report
 from tests.support.cluster import Hub, run_cli, write_agent_config
-from tests.support.waiting import eventually
+from tests.support.waiting import RESUME_TIMEOUT, eventually
 
 
 async def _status(config_path: Path, *flags: str) -> tuple[int, dict[str, Any]]:
@@ -69,3 +71,42 @@ async def test_status_without_island_is_degraded(tmp_path: Path, hub: Hub) -> No
     text = await asyncio.to_thread(run_cli, "edge_agent", "-c", str(config_path), "status")
     assert text.returncode == 1
     assert "DEGRADED" in text.stdout
+
+
+async def test_status_and_report_show_the_backlog_waiting_for_the_link(
+    hub: Hub, tmp_path: Path
+) -> None:
+    """While cut: the readings since are the device's backlog, with when one last crossed;
+    after the link returns the backlog drains to nothing, on the device and in the report."""
+    a = await hub.device("a", register_when_ready=True)
+    await hub.provision()
+    config_path = write_agent_config(a, tmp_path / "agent.toml")
+    await a.js.publish("tele.temp", b"before")
+
+    async def uplink(expect: int) -> dict[str, Any] | None:
+        _, body = await _status(config_path)
+        up: dict[str, Any] = body["streams"]["TELEMETRY"]["uplink"]
+        return up if up["backlog_messages"] == expect and up["last_crossed"] else None
+
+    await eventually(lambda: uplink(0), timeout=RESUME_TIMEOUT, what="the first reading crossed")
+    a.proxy.cut()
+    await a.wait_link(up=False)
+    for i in range(5):
+        await a.js.publish("tele.temp", f"cut-{i}".encode())
+    waiting = await eventually(lambda: uplink(5), timeout=30, what="a backlog of 5")
+    assert waiting["backlog_bytes"] > 0 and waiting["drain_eta_s"] is None
+
+    a.proxy.restore()
+    drained = await eventually(lambda: uplink(0), timeout=30, what="the backlog drained")
+    assert drained["drain_eta_s"] == 0 and drained["last_crossed"] > waiting["last_crossed"]
+
+    async def reported() -> dict[str, Any] | None:
+        devices = (
+            await collect_report(
+                hub.nc, hub.config, await (await Registry.open(hub.js)).list(), silent_after=60
+            )
+        ).devices
+        tele = devices[0].uplinks.get("TELEMETRY")
+        return dict(tele) if tele and tele["backlog_messages"] == 0 else None
+
+    assert (await eventually(reported, timeout=30, what="the report"))["last_crossed"]
