@@ -24,9 +24,7 @@ from collections.abc import Mapping
 import structlog
 from nats.js import JetStreamContext
 from nats.js.api import (
-    AckPolicy,
     ConsumerConfig,
-    DeliverPolicy,
     DiscardPolicy,
     ExternalStream,
     StorageType,
@@ -50,7 +48,7 @@ from edge_agent.protocol.names import (
     hub_deliver_subject,
     island_deliver_subject,
 )
-from edge_agent.protocol.reconcile import Reconciled, reconcile_stream
+from edge_agent.protocol.reconcile import Reconciled, mirror_consumer, reconcile_stream
 
 log = structlog.get_logger(__name__)
 
@@ -110,16 +108,9 @@ def desired_streams(
 
 
 def hub_consumer_config(device_id: str, stream: str, incarnation: str) -> ConsumerConfig:
-    """The durable push consumer the hub's mirror of `stream` binds to (ADR-60 sourcing)."""
-    return ConsumerConfig(
-        durable_name=hub_consumer(incarnation),
-        deliver_subject=hub_deliver_subject(device_id, incarnation, stream),
-        deliver_policy=DeliverPolicy.ALL,
-        # The mirror drives acknowledgements through flow control; nothing else acks.
-        ack_policy=AckPolicy.FLOW_CONTROL,
-        flow_control=True,
-        idle_heartbeat=1.0,  # what a mirror expects to see from its origin
-        metadata=MANAGED_BY,
+    """The consumer the hub's mirror of `stream` binds to, for this incarnation."""
+    return mirror_consumer(
+        hub_consumer(incarnation), hub_deliver_subject(device_id, incarnation, stream), MANAGED_BY
     )
 
 

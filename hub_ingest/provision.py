@@ -25,9 +25,7 @@ from typing import Any
 import structlog
 from nats.js import JetStreamContext
 from nats.js.api import (
-    AckPolicy,
     ConsumerConfig,
-    DeliverPolicy,
     DiscardPolicy,
     ExternalStream,
     StorageType,
@@ -49,7 +47,7 @@ from edge_agent.protocol.names import (
     hub_deliver_subject,
     island_deliver_subject,
 )
-from edge_agent.protocol.reconcile import Reconciled, reconcile_stream
+from edge_agent.protocol.reconcile import Reconciled, mirror_consumer, reconcile_stream
 from hub_ingest.config import HubConfig
 from hub_ingest.errors import ProvisionError
 from hub_ingest.registry import Device, Incarnation, Registry
@@ -155,18 +153,9 @@ def device_commands(config: HubConfig, device: Device) -> StreamConfig:
 
 
 def island_consumer(device: Device) -> ConsumerConfig:
-    """The durable push consumer on ``CMD_<id>`` that the island's ``COMMANDS`` mirror binds
-    to (see `edge_agent.streams`); it delivers under a prefix only that device may read."""
-    return ConsumerConfig(
-        durable_name=ISLAND_CONSUMER,
-        deliver_subject=island_deliver_subject(device.device_id),
-        deliver_policy=DeliverPolicy.ALL,
-        # The mirror drives acknowledgements through flow control; nothing else acks.
-        ack_policy=AckPolicy.FLOW_CONTROL,
-        flow_control=True,
-        idle_heartbeat=1.0,  # what a mirror expects to see from its origin
-        metadata=MANAGED_BY,
-    )
+    """The consumer on ``CMD_<id>`` that the island's ``COMMANDS`` mirror binds to (see
+    `edge_agent.streams`); it delivers under a prefix only that device may read."""
+    return mirror_consumer(ISLAND_CONSUMER, island_deliver_subject(device.device_id), MANAGED_BY)
 
 
 async def provision_commands(js: JetStreamContext, config: HubConfig, device: Device) -> Reconciled:

@@ -1,4 +1,5 @@
-"""Idempotent reconciliation of a JetStream stream: create it, or bring it in line."""
+"""Idempotent reconciliation of a JetStream stream (create it, or bring it in line), and the
+durable consumer a mirror across the leaf link binds to, on either side of it."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from nats.js import JetStreamContext
-from nats.js.api import StreamConfig
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, StreamConfig
 from nats.js.errors import APIError, NotFoundError
 
 from edge_agent.protocol.errors import StreamError
@@ -19,6 +20,21 @@ class Reconciled:
     name: str
     change: Change
     fields: tuple[str, ...] = ()
+
+
+def mirror_consumer(name: str, deliver_subject: str, metadata: dict[str, str]) -> ConsumerConfig:
+    """The durable push consumer a mirror binds to (ADR-60 sourcing): the hub's mirrors of
+    device streams and the island's mirror of ``CMD_<id>`` read through one of these."""
+    return ConsumerConfig(
+        durable_name=name,
+        deliver_subject=deliver_subject,
+        deliver_policy=DeliverPolicy.ALL,
+        # The mirror drives acknowledgements through flow control; nothing else acks.
+        ack_policy=AckPolicy.FLOW_CONTROL,
+        flow_control=True,
+        idle_heartbeat=1.0,  # what a mirror expects to see from its origin
+        metadata=metadata,
+    )
 
 
 def _clean(value: object) -> object:
