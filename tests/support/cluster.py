@@ -25,11 +25,10 @@ from edge_agent.app import Agent
 from edge_agent.config import Config, parse_config
 from edge_agent.handlers import Handler
 from edge_agent.protocol.monitor import Monitor
-from edge_agent.protocol.natsserver import ServerProcess, resolve_nats_server
-from hub_ingest.config import HubConfig
+from edge_agent.protocol.natsserver import resolve_nats_server
 from hub_ingest.enrol import enrol
 from hub_ingest.incarnations import observe, watch
-from hub_ingest.localfleet import free_port, start_local_hub, stream_messages
+from hub_ingest.localfleet import LocalHub, free_port, start_local_hub, stream_messages
 from hub_ingest.locallink import LinkProxy
 from hub_ingest.provision import mirror_name, provision, provision_commands
 from hub_ingest.registry import Registry
@@ -43,12 +42,10 @@ async def _quiet(exc: Exception) -> None:
 
 
 @dataclass
-class Hub:
-    config: HubConfig
-    server: ServerProcess
-    nc: Client
-    js: JetStreamContext
-    leaf_port: int
+class Hub(LocalHub):
+    """The local fleet's hub, with the watcher run in-process and devices whose agents run
+    in this process too."""
+
     root: Path
     devices: list[Device] = field(default_factory=list)
     stop_watch: asyncio.Event = field(default_factory=asyncio.Event)
@@ -163,8 +160,7 @@ class Hub:
         for device in self.devices:
             await device.stop()
             await device.proxy.close()
-        await self.nc.close()
-        await self.server.stop()
+        await super().close()
 
 
 @dataclass
@@ -245,7 +241,7 @@ async def start_hub(
     root: Path, *, watching: bool = True, leaf_compression: str = "s2_auto", **aggregates: Any
 ) -> Hub:
     local = await start_local_hub(root, leaf_compression=leaf_compression, **aggregates)
-    hub = Hub(local.config, local.server, local.nc, local.js, local.leaf_port, root)
+    hub = Hub(local.config, local.server, local.nc, local.js, root)
     if watching:
         hub.start_watch()
     return hub
