@@ -15,13 +15,16 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 # systemd-analyze (tests/test_systemd.py, the Ansible role's unit checks) and libfaketime
-# (tests/test_clock.py: agents with wrong clocks) are Debian packages; a test is never skipped
+# (tests/test_clock.py: agents with wrong clocks) and fuse3 (tests/support/powerfs.py: power
+# cuts) are Debian packages; a test is never skipped
 # for a missing tool, so install them where they are missing.
 tools:
 	@command -v systemd-analyze >/dev/null 2>&1 || { apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends systemd; }
 	@command -v faketime >/dev/null 2>&1 || { apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends faketime; }
+	@command -v fusermount3 >/dev/null 2>&1 || { apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends fuse3; }
 
 # What the Ansible roles install from, offline: this release and every dependency wheel.
 wheelhouse: venv
