@@ -20,6 +20,7 @@ from edge_agent.protocol.tomlconf import (
     path,
     read_toml,
     string,
+    sync_policy,
     url_list,
 )
 from edge_agent.protocol.units import parse_duration, parse_size
@@ -45,6 +46,9 @@ class IslandConfig:
     store_dir: Path
     max_file_store: int
     max_memory_store: int
+    # fsync policy of the store: None = before every PubAck ("always"), else every so many
+    # seconds (a power cut may then lose what was acknowledged in the last interval).
+    sync: float | None
     max_payload: int  # the largest message the island takes (nats-server's max_payload)
     client_listen: Listen
     monitor_listen: Listen
@@ -232,6 +236,7 @@ def parse_config(data: dict[str, Any], source: Path | None = None) -> Config:
         # Required: nats-server would otherwise take 75% of the disk free at start-up.
         max_file_store=isl.get("max_file_store", parse_size),
         max_memory_store=isl.get("max_memory_store", parse_size, 64 * 1024**2),
+        sync=isl.get("sync", sync_policy, None),
         max_payload=isl.get("max_payload", _positive_size, 1024**2),
         client_listen=isl.get("client_listen", _loopback_listen, Listen("127.0.0.1", 4222)),
         monitor_listen=isl.get("monitor_listen", _loopback_listen, Listen("127.0.0.1", 8222)),

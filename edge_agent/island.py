@@ -24,6 +24,7 @@ from edge_agent.config import Config
 from edge_agent.errors import ConfigError, IslandError, IslandUnavailable, is_retriable
 from edge_agent.protocol.monitor import Monitor
 from edge_agent.protocol.natsserver import check_version, resolve_nats_server
+from edge_agent.protocol.tomlconf import render_sync
 
 log = structlog.get_logger(__name__)
 
@@ -95,6 +96,7 @@ jetstream {{
   store_dir: {_q(isl.store_dir)}
   max_file_store: {isl.max_file_store}
   max_memory_store: {isl.max_memory_store}
+  {render_sync(isl.sync)}
 }}
 
 leafnodes {{

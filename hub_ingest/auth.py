@@ -28,6 +28,7 @@ from typing import Any
 import nkeys
 
 from edge_agent.protocol.errors import MonitorUnavailable
+from edge_agent.protocol.files import write_durably
 from edge_agent.protocol.monitor import Monitor
 from edge_agent.protocol.names import (
     ISLAND_CONSUMER,
@@ -57,12 +58,9 @@ def public_key(seed: str) -> str:
 
 
 def write_secret(path: Path, text: str) -> None:
-    """Write `text` to `path` readable by its owner only, never briefly wider."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as out:
-        out.write(text + "\n")
-    path.chmod(0o600)
+    """Write `text` to `path` readable by its owner only, never briefly wider, and durably
+    (the users file lost to a power cut would lock every device out)."""
+    write_durably(path, text + "\n", mode=0o600)
 
 
 def ensure_operator_key(config: HubConfig) -> str:

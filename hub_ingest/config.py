@@ -16,6 +16,7 @@ from edge_agent.protocol.tomlconf import (
     positive_int,
     read_toml,
     string,
+    sync_policy,
     url_list,
 )
 from edge_agent.protocol.units import parse_duration, parse_size
@@ -58,6 +59,7 @@ class ServerConfig:
     store_dir: Path
     max_file_store: int
     max_memory_store: int
+    sync: float | None  # JetStream's fsync policy, as the agent's island.sync
     config_file: Path  # where `render-nats-config` writes the server's config
     auth_file: Path  # users and permissions, rendered from the registry on every device change
     pid_file: Path  # signalled to reload auth_file when it changes
@@ -143,6 +145,7 @@ def _parse(data: dict[str, Any], source: Path | None) -> HubConfig:
         # Explicit: nats-server would otherwise take 75% of the disk free at start-up.
         max_file_store=srv.get("max_file_store", parse_size, 10 * 1024**3),
         max_memory_store=srv.get("max_memory_store", parse_size, 256 * 1024**2),
+        sync=srv.get("sync", sync_policy, None),
         config_file=srv.get("config_file", path, state_dir / "nats-server.conf"),
         auth_file=srv.get("auth_file", path, state_dir / "auth.conf"),
         pid_file=srv.get("pid_file", path, state_dir / "nats-server.pid"),

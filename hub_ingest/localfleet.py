@@ -31,6 +31,7 @@ from nats.js import JetStreamContext
 from nats.js.api import RawStreamMsg
 from nats.js.errors import NotFoundError
 
+from edge_agent.protocol.files import write_durably
 from edge_agent.protocol.monitor import Monitor
 from edge_agent.protocol.names import COMMAND_MIRROR, TELEMETRY
 from edge_agent.protocol.natsserver import ServerProcess, resolve_nats_server
@@ -152,9 +153,8 @@ async def start_local_hub(
     """Render, start and provision a hub under ``root/hub`` (see `loopback_hub_config`)."""
     config = loopback_hub_config(root, leaf_compression=leaf_compression, **aggregates)
     conf = config.server.config_file
-    conf.parent.mkdir(parents=True, exist_ok=True)
     write_auth(config, [])
-    conf.write_text(render_server_config(config))
+    write_durably(conf, render_server_config(config))
     server = await ServerProcess(conf, f"http://{config.server.monitor_listen}").start()
     nc = await nats.connect(
         config.nats.servers[0],

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from edge_agent.protocol import errors as protocol
+from edge_agent.protocol.files import write_durably
 from edge_agent.protocol.monitor import Monitor
 from edge_agent.protocol.natsserver import check_version, resolve_nats_server
 from hub_ingest.auth import write_auth
@@ -89,7 +90,6 @@ def _render(config: HubConfig, args: argparse.Namespace) -> int:
         sys.stdout.write(render_server_config(config))
         return 0
     target = args.output or config.server.config_file
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(render_server_config(config, target), encoding="utf-8")
+    write_durably(target, render_server_config(config, target))
     print(target)
     return 0

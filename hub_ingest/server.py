@@ -10,6 +10,7 @@ import json
 import os
 from pathlib import Path
 
+from edge_agent.protocol.tomlconf import render_sync
 from hub_ingest.config import HubConfig
 
 
@@ -32,6 +33,7 @@ jetstream {{
   store_dir: {json.dumps(str(srv.store_dir))}
   max_file_store: {srv.max_file_store}
   max_memory_store: {srv.max_memory_store}
+  {render_sync(srv.sync)}
 }}
 
 leafnodes {{

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from edge_agent.protocol.errors import ConfigError
+from edge_agent.protocol.units import parse_duration
 
 T = TypeVar("T")
 
@@ -98,6 +99,24 @@ def compression(value: object) -> str:
     if value not in COMPRESSION_MODES:
         raise ValueError(f"expected one of {', '.join(COMPRESSION_MODES)}, got {value!r}")
     return str(value)
+
+
+def sync_policy(value: object) -> float | None:
+    """JetStream's ``sync_interval``: "always" (None: fsync before every PubAck) or a
+    duration (fsync that often: a power cut loses up to that much acknowledged data)."""
+    if value == "always":
+        return None
+    seconds = parse_duration(value)
+    if seconds <= 0:
+        raise ValueError(f'expected "always" or a duration > 0, got {value!r}')
+    return seconds
+
+
+def render_sync(policy: float | None) -> str:
+    """The nats-server ``sync_interval`` line for `sync_policy`'s value."""
+    return (
+        "sync_interval: always" if policy is None else f'sync_interval: "{round(policy * 1000)}ms"'
+    )
 
 
 def path(value: object) -> Path:

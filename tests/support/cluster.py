@@ -118,7 +118,7 @@ class Hub(LocalHub):
     ) -> Device:
         """Register `device_id`, then start its agent (child-mode island) behind a proxy.
 
-        `sections` adds config tables (``{"commands": {...}}``), `handlers` replaces the
+        `sections` adds config keys (``{"commands": {...}}``), `handlers` replaces the
         built-in command handlers; with ``start=False`` the agent is left for the test to
         run (e.g. as a subprocess). With `register_when_ready` the hub's mirrors of the
         device's streams are made once those exist: they then start at once instead of 10-40 s
@@ -142,8 +142,9 @@ class Hub(LocalHub):
                 "urls": [f"nats-leaf://127.0.0.1:{proxy.port}"],
                 "credentials": str(self.seed_file(device_id)),
             },
-            **(sections or {}),
         }
+        for name, table in (sections or {}).items():
+            data[name] = {**data.get(name, {}), **table}
         device = Device(parse_config(data), proxy, handlers=handlers)
         if start:
             await device.start()
@@ -286,6 +287,7 @@ client_listen = {json.dumps(str(cfg.island.client_listen))}
 monitor_listen = {json.dumps(str(cfg.island.monitor_listen))}
 supervise = "child"
 nats_server = {json.dumps(cfg.island.nats_server)}
+sync = {json.dumps("always" if cfg.island.sync is None else f"{cfg.island.sync:g}s")}
 [hub]
 urls = {json.dumps(list(cfg.hub.urls))}
 credentials = {json.dumps(str(cfg.hub.credentials))}

@@ -1,0 +1,34 @@
+"""Files that survive a power cut whole: the old content or the new, never a torn mix."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def write_durably(path: Path, text: str, *, mode: int = 0o644) -> Path:
+    """Replace `path` with `text`: written to a temporary file (created with `mode`, so a
+    secret is never briefly readable by others), fsynced, renamed over `path`, and the
+    directory fsynced so that the rename itself is on disk. A crash at any point leaves the
+    old file or the new one; without the fsyncs a power cut can leave an empty file behind
+    the new name (ext4's delayed allocation does exactly that)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    try:
+        os.fchmod(fd, mode)  # an older tmp file kept its own mode
+        os.write(fd, text.encode("utf-8"))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    tmp.replace(path)
+    fsync_dir(path.parent)
+    return path
+
+
+def fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,152 @@
+"""Power cuts: a device's disk, and the hub's, lose power again and again under load.
+
+The device's agent state (SQLite) and island store live on a `PowerFS` disk, and so does the
+hub's whole state directory (its JetStream store, users file, config). While an app publishes
+numbered readings and waits for each PubAck, and the hub sends commands that the agent runs,
+a seeded schedule cuts the power of one disk or the other at random moments: every process
+using it is frozen, every write it had not fsynced is dropped (half the time the last page
+written is torn instead), the processes are killed, and they are started again. The agent's
+command handlers die with it, as they would.
+
+After the last cut, once everything has caught up, the checks are the chaos suite's: the hub
+has every reading the app had a PubAck for, exactly once and in order; no command ran twice;
+every command has its result at the hub.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+from tests.chaos.runner import MARKER, Chaos, Node, Outcome
+from tests.support.cluster import Hub, start_hub, write_agent_config
+from tests.support.powerfs import PowerCut
+
+DEVICE = "p"
+COMMAND_PACE = (0.3, 1.5)  # seconds between commands: a few run during most cuts
+BETWEEN_CUTS = (0.5, 3.0)  # seconds of load between two cuts
+
+
+class PowerCuts(Chaos):
+    def __init__(
+        self,
+        hub: Hub,
+        root: Path,
+        seed: int,
+        *,
+        device_disk: PowerCut,
+        hub_disk: PowerCut,
+        device_cuts: int,
+        hub_cuts: int,
+        sync: str = "always",
+    ) -> None:
+        super().__init__(hub, root, seed, faults=0)
+        self.rng = random.Random(seed)
+        self.device_disk, self.hub_disk = device_disk, hub_disk
+        self.plan = ["device_cut"] * device_cuts + ["hub_cut"] * hub_cuts
+        self.rng.shuffle(self.plan)
+        self.sync = sync
+
+    async def setup(self) -> None:
+        self.marker.write_text(MARKER)
+        allow = json.dumps([sys.executable, str(self.marker), "*"])
+        section = f'[commands]\nexec_allow = [{allow}]\nshutdown_grace = "5s"\n'
+        device = await self.hub.device(
+            DEVICE,
+            start=False,
+            register_when_ready=True,
+            state_dir=str(self.device_disk.mount),
+            sections={"island": {"sync": self.sync}},
+        )
+        config = write_agent_config(device, self.root / f"{DEVICE}.toml", section)
+        node = Node(device, config, self.root)
+        self.nodes[DEVICE] = node
+        node.start_agent()
+        await node.agent.wait_event("agent_ready")
+        await device.connect()
+        await self.hub.register(DEVICE)
+
+    async def run(self) -> Outcome:
+        started = time.monotonic()
+        node = self.nodes[DEVICE]
+        stop = asyncio.Event()
+        load = [asyncio.create_task(node.produce(stop)), asyncio.create_task(self._commands(stop))]
+        try:
+            for fault in self.plan:
+                await asyncio.sleep(self.rng.uniform(*BETWEEN_CUTS))  # the schedule's clock
+                torn = self.rng.random() < 0.5
+                if fault == "device_cut":
+                    await self._cut_device(node, torn)
+                else:
+                    await self._cut_hub(torn)
+                self.outcome.faults[fault] += 1
+                self.outcome.faults["torn"] += torn
+        finally:
+            stop.set()
+            await asyncio.gather(*load)
+        self.outcome.produced = {DEVICE: node.produced}
+        await self._settle()
+        await self._verify()
+        self.outcome.wall_s = time.monotonic() - started
+        return self.outcome
+
+    async def _cut_device(self, node: Node, torn: bool) -> None:
+        seed = self.rng.randrange(2**32)
+        await asyncio.to_thread(self.device_disk.cut, torn=torn, seed=seed)
+        node.agent.close()  # a handler still running had no file on the disk: it loses power too
+        node.start_agent()
+        await node.agent.wait_event("agent_ready", timeout=120)
+
+    async def _cut_hub(self, torn: bool) -> None:
+        seed = self.rng.randrange(2**32)
+        await asyncio.to_thread(self.hub_disk.cut, torn=torn, seed=seed)
+        self.hub.server.kill()  # reaps it: the cut has killed it already
+        await self.hub.server.start(timeout=120)
+
+    async def _commands(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            await self._command(DEVICE)
+            await asyncio.sleep(self.rng.uniform(*COMMAND_PACE))  # the schedule's clock
+
+
+async def run_power_cuts(
+    root: Path,
+    seed: int,
+    *,
+    device_cuts: int,
+    hub_cuts: int,
+    sync: str = "always",
+) -> Outcome:
+    """One power-cut run under `root`: the disks, the hub, the device, the schedule."""
+    device_disk = PowerCut(root / "device-disk", root / "device").start()
+    hub_disk = PowerCut(root / "hub-disk", root / "hub").start()
+    hub: Hub | None = None
+    chaos: PowerCuts | None = None
+    try:
+        hub = await start_hub(root)
+        chaos = PowerCuts(
+            hub,
+            root,
+            seed,
+            device_disk=device_disk,
+            hub_disk=hub_disk,
+            device_cuts=device_cuts,
+            hub_cuts=hub_cuts,
+            sync=sync,
+        )
+        await chaos.setup()
+        return await chaos.run()
+    finally:
+        if chaos is not None:
+            chaos.close()
+        if hub is not None:
+            await hub.close()
+        device_disk.stop()
+        hub_disk.stop()
+
+
+__all__ = ["PowerCuts", "run_power_cuts"]
