@@ -38,6 +38,7 @@ def test_minimal_config_gets_documented_defaults(tmp_path: Path) -> None:
     assert str(config.island.client_listen) == "127.0.0.1:4222"
     assert config.hub.domain == "hub"
     assert config.hub.reconnect == 0.25
+    assert config.island.sync is None  # "always"
     assert config.streams.telemetry.max_bytes == 1024**3 * 70 // 100
 
 
@@ -58,6 +59,7 @@ def test_minimal_config_gets_documented_defaults(tmp_path: Path) -> None:
         (MINIMAL + '[streams.telemetry]\nmax_bytes = "2GiB"\n', "streams", "max_file_store"),
         (MINIMAL + "[streams.events]\nmax_msgs = 3\n", "streams.events.max_msgs", "unknown key"),
         (MINIMAL.replace("[hub]", "[hub]\nreconnect = 'soon'"), "hub.reconnect", "soon"),
+        (MINIMAL.replace("[island]", '[island]\nsync = "never"'), "island.sync", "always"),
     ],
 )
 def test_bad_values_name_the_key(tmp_path: Path, text: str, key: str, fragment: str) -> None:
@@ -99,6 +101,7 @@ def test_rendered_island_config_passes_nats_server_t(tmp_path: Path) -> None:
     assert 'domain: "edge-d1"' in text
     assert "max_file_store: 1073741824" in text
     assert 'reconnect: "250ms"' in text
+    assert "sync_interval: always" in text  # a PubAck means on disk, by default
     assert '"tele.>"' in text
     assert 'nkey: "SU' in text
     path = tmp_path / "island.conf"

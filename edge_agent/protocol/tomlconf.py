@@ -106,9 +106,12 @@ def sync_policy(value: object) -> float | None:
     duration (fsync that often: a power cut loses up to that much acknowledged data)."""
     if value == "always":
         return None
-    seconds = parse_duration(value)
+    try:
+        seconds = parse_duration(value)
+    except ValueError:
+        seconds = 0.0
     if seconds <= 0:
-        raise ValueError(f'expected "always" or a duration > 0, got {value!r}')
+        raise ValueError(f'expected "always" or a duration like "1s", got {value!r}')
     return seconds
 
 
