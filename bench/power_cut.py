@@ -48,6 +48,8 @@ async def main(device_cuts: int, hub_cuts: int, seed: int, sync: str, keep: Path
             root, seed, device_cuts=device_cuts, hub_cuts=hub_cuts, sync=sync
         )
     print(outcome.summary())
+    if outcome.unsettled:
+        print(f"did not settle: {outcome.unsettled}")
     print(summary_line(outcome))
 
 

@@ -62,6 +62,15 @@ class IslandUnavailable(IslandError, MonitorUnavailable):
     retriable = True
 
 
+class StoreDamaged(IslandUnavailable):
+    """The island cannot recover a stream from its files (a power cut under an interval sync
+    policy); the agent sets the stream aside and starts the island again."""
+
+    def __init__(self, account: str, stream: str) -> None:
+        super().__init__(f"island cannot recover stream {stream} (account {account})")
+        self.account, self.stream = account, stream
+
+
 class OutboxError(EdgeAgentError):
     """The outbox could not take or hand on a message."""
 

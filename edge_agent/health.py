@@ -19,6 +19,7 @@ from typing import Any
 import structlog
 
 from edge_agent.config import Config
+from edge_agent.island import quarantine_dir, quarantined
 from edge_agent.ledger import CommandStats
 from edge_agent.ledger import read_stats as read_command_stats
 from edge_agent.outbox import OutboxStats
@@ -94,6 +95,9 @@ class Status:
     # Hub minus device clock at the agent's last sync with the hub (None: not synced since the
     # agent started); see `edge_agent.hubclock`.
     clock_offset_s: float | None = None
+    # Island streams a power cut damaged beyond repair, set aside by the agent (see
+    # `Island._set_aside`): what they held that had not reached the hub is lost.
+    quarantined: list[str] = field(default_factory=list)
 
     @property
     def healthy(self) -> bool:
@@ -305,6 +309,11 @@ async def collect_status(config: Config, monitor: Monitor | None = None) -> Stat
         problems.append(f"command mirror error: {mirror.error}")
     if box and box.bytes >= box.max_bytes * BUDGET_WARN_PCT / 100:
         problems.append(f"outbox at {box.bytes} of {box.max_bytes} bytes")
+    if damaged := quarantined(config):
+        problems.append(
+            f"{len(damaged)} damaged island streams set aside in {quarantine_dir(config)} "
+            f"(what they held that had not reached the hub is lost)"
+        )
     if box and box.dead_letters:
         problems.append(
             f"{box.dead_letters} outbox rows refused by the island for good "
@@ -321,6 +330,7 @@ async def collect_status(config: Config, monitor: Monitor | None = None) -> Stat
         problems=problems,
         checked_at=utc_now_iso(),
         clock_offset_s=offset,
+        quarantined=damaged,
     )
 
 

@@ -11,6 +11,8 @@ import asyncio
 import contextlib
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import time
@@ -21,10 +23,18 @@ import structlog
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_exponential_jitter
 
 from edge_agent.config import Config
-from edge_agent.errors import ConfigError, IslandError, IslandUnavailable, is_retriable
+from edge_agent.errors import (
+    ConfigError,
+    IslandError,
+    IslandUnavailable,
+    StoreDamaged,
+    is_retriable,
+)
+from edge_agent.protocol.errors import MonitorUnavailable
 from edge_agent.protocol.monitor import Monitor
 from edge_agent.protocol.natsserver import check_version, resolve_nats_server
 from edge_agent.protocol.tomlconf import render_sync
+from edge_agent.protocol.units import utc_now_iso
 
 log = structlog.get_logger(__name__)
 
@@ -140,13 +150,41 @@ def check_config(nats_server: str, path: Path) -> None:
         raise IslandError(f"nats-server rejected {path}: {detail}")
 
 
+# What /healthz says for a stream whose files a power cut damaged beyond nats-server's own
+# repair (an empty meta.inf, for one): the island stays unhealthy until the stream is gone.
+_UNRECOVERABLE = re.compile(r"JetStream stream '(\S+) > (\S+)' could not be recovered")
+
+
+def quarantine_dir(config: Config) -> Path:
+    """Where damaged stream directories are set aside (kept for an operator, never read)."""
+    return config.agent.state_dir / "quarantine"
+
+
+def quarantined(config: Config) -> list[str]:
+    directory = quarantine_dir(config)
+    return sorted(p.name for p in directory.iterdir()) if directory.is_dir() else []
+
+
+async def _unrecoverable(monitor: Monitor) -> tuple[str, str] | None:
+    """(account, stream) of a stream the island could not recover, if /healthz names one."""
+    try:
+        error = str((await monitor.get("/healthz")).get("error") or "")
+    except MonitorUnavailable:
+        return None
+    match = _UNRECOVERABLE.search(error)
+    return (match.group(1), match.group(2)) if match else None
+
+
 async def wait_healthy(
     monitor: Monitor, timeout: float, proc: asyncio.subprocess.Process | None = None
 ) -> None:
     """Return once the island answers healthy; raise `IslandUnavailable` after `timeout`,
-    or as soon as `proc` (the island being started) has exited."""
+    or as soon as `proc` (the island being started) has exited, and `StoreDamaged` as soon as
+    it reports a stream it cannot recover."""
     deadline = time.monotonic() + timeout
     while not await monitor.healthy():
+        if (damaged := await _unrecoverable(monitor)) is not None:
+            raise StoreDamaged(*damaged)
         if proc is not None and proc.returncode is not None:
             raise IslandUnavailable(f"nats-server exited with code {proc.returncode} on start-up")
         if time.monotonic() > deadline:
@@ -225,9 +263,26 @@ class Island:
         await self._start_child()
         try:
             await wait_healthy(self.monitor, self._start_timeout, self._proc)
+        except StoreDamaged as exc:
+            await self._stop_child()
+            self._set_aside(exc.account, exc.stream)
+            raise
         except IslandUnavailable:
             await self._stop_child()
             raise
+
+    def _set_aside(self, account: str, stream: str) -> None:
+        """Move a stream nats-server cannot recover out of the store, so that the island
+        starts and the agent makes the stream again (an outbound stream with a new
+        incarnation, the command mirror refilled from the hub; the ledger keeps commands from
+        running twice). What the damaged stream held that had not reached the hub is lost:
+        only ``sync = "always"`` prevents this (README, power cuts)."""
+        source = self.config.island.store_dir / "jetstream" / account / "streams" / stream
+        stamp = utc_now_iso().replace(":", "")
+        target = quarantine_dir(self.config) / f"{stream}-{stamp}"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(source, target)
+        log.error("island_stream_quarantined", stream=stream, moved_to=str(target))
 
     async def _start_child(self) -> None:
         exe = resolve_nats_server(self.config.island.nats_server)

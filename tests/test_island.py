@@ -12,9 +12,10 @@ import sys
 from pathlib import Path
 
 from edge_agent.app import Agent
+from edge_agent.health import collect_status
 from edge_agent.island import pid_file
 from tests.support.cluster import Hub, run_cli, stream_messages, write_agent_config
-from tests.support.waiting import eventually
+from tests.support.waiting import RESUME_TIMEOUT, eventually
 
 
 async def test_killed_island_restarts_with_streams_and_data(hub: Hub) -> None:
@@ -126,3 +127,29 @@ async def test_island_that_cannot_start_is_retried_until_it_can(hub: Hub) -> Non
 
 async def _is_set(event: asyncio.Event) -> bool:
     return event.is_set()
+
+
+async def test_a_stream_the_island_cannot_recover_is_set_aside(hub: Hub) -> None:
+    """A power cut under an interval sync policy can leave a stream's meta.inf empty, and
+    nats-server then stays unhealthy for ever. The agent moves the stream aside (status shows
+    it), the island starts, the agent makes the stream again and new readings reach the hub."""
+    device = await hub.device("a", register_when_ready=True)
+    await device.js.publish("tele.before", b"1")
+    await device.stop()
+    streams = device.config.island.store_dir / "jetstream" / "$G" / "streams"
+    for name in ("TELEMETRY", "COMMANDS"):
+        (streams / name / "meta.inf").write_bytes(b"")  # what the cut left of it
+
+    await device.start()
+
+    status = await collect_status(device.config)
+    assert sorted(n.split("-")[0] for n in status.quarantined) == ["COMMANDS", "TELEMETRY"]
+    assert any("set aside" in p for p in status.problems), status.problems
+    assert {"TELEMETRY", "EVENTS", "COMMANDS"} <= set(status.streams)
+    await device.js.publish("tele.after", b"2")
+
+    async def after_at_hub() -> bool:
+        msgs = await stream_messages(hub.js, "FLEET_TELEMETRY")
+        return any(m.subject == "fleet.a.tele.after" for m in msgs)
+
+    await eventually(after_at_hub, timeout=RESUME_TIMEOUT, what="a reading after the repair")

@@ -119,6 +119,7 @@ class Outcome:
     missing_results: int = 0
     extra_results: int = 0
     wall_s: float = 0.0
+    unsettled: str = ""  # what never caught up (power-cut runs report it instead of raising)
 
     def summary(self) -> str:
         return (

@@ -32,6 +32,7 @@ async def test_a_power_cut_loses_nothing_acknowledged(
     summary = outcome.summary()
     with capsys.disabled():
         print(summary)
+    assert not outcome.unsettled, outcome.unsettled
     assert (outcome.faults["device_cut"], outcome.faults["hub_cut"]) == (device_cuts, hub_cuts)
     assert outcome.produced == outcome.at_hub and min(outcome.produced.values()) > 0, summary
     assert (outcome.duplicates, outcome.losses, outcome.out_of_order) == (0, 0, 0), summary
