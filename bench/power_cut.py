@@ -35,7 +35,9 @@ def summary_line(outcome: Outcome) -> str:
         f"acked={sum(outcome.produced.values())} lost={outcome.losses} "
         f"duplicated={outcome.duplicates} out_of_order={outcome.out_of_order} "
         f"commands={outcome.commands_sent} ran_twice={outcome.double_runs} "
-        f"missing_results={outcome.missing_results} wall_s={outcome.wall_s:.0f}"
+        f"missing_results={outcome.missing_results} archived={outcome.archived} "
+        f"archive_lost={outcome.archive_losses} archive_twice={outcome.archive_duplicates} "
+        f"wall_s={outcome.wall_s:.0f}"
     )
 
 

@@ -5,6 +5,8 @@ offsets of a batch (sequence ranges, see `hub_ingest.source`) are logged before 
 re-run batch reads the same ranges again, and the sink's ``_spark_metadata`` log commits each
 batch's files once. Files a killed batch left behind are not in that log, so the archive must
 be read through Spark or the log (`hub_ingest.audit.committed_files`), never by listing.
+Spark never fsyncs either: `hub_ingest.durability` syncs after each batch and repairs what a
+power cut left of the batches after the last sync.
 
 ``--once`` runs ``trigger(availableNow=True)``: everything in the streams when it starts, in
 batches of at most ``ingest.max_messages_per_trigger``, then exit (for a systemd timer).
@@ -32,6 +34,7 @@ from pyspark.sql.types import StructType
 
 from hub_ingest.config import HubConfig
 from hub_ingest.connect import hub_connection
+from hub_ingest.durability import SyncedBatches, repair
 from hub_ingest.errors import ConfigError, DataLossError, IngestError
 from hub_ingest.provision import aggregate_stream_names
 from hub_ingest.source import FORMAT, SCHEMA, JetStreamDataSource
@@ -171,6 +174,9 @@ def ingest(
     """Run the ingest query until it is done (`once`) or `stop` is set; log every batch."""
     streams = asyncio.run(aggregate_streams(config))
     started = time.monotonic()
+    ing = config.ingest
+    repair(ing.checkpoint, ing.archive)  # what a power cut may have left of the last batches
+    synced = SyncedBatches.load(ing.checkpoint, ing.archive)
     query = start_query(spark, config, streams, once=once)
     log.info("ingest_started", streams=streams, once=once, archive=str(config.ingest.archive))
     batches: list[BatchProgress] = []
@@ -184,6 +190,7 @@ def ingest(
                 last_trigger = progress.timestamp
                 if progress.numInputRows:
                     batches.append(_log_progress(progress))
+                    synced.mark(progress.batchId)
 
     try:
         while query.isActive and not (stop is not None and stop.is_set()):

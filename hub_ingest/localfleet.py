@@ -111,6 +111,7 @@ leaf_compression = {json.dumps(srv.leaf_compression)}
 store_dir = {json.dumps(str(srv.store_dir))}
 max_file_store = {srv.max_file_store}
 max_memory_store = {srv.max_memory_store}
+sync = {json.dumps("always" if srv.sync is None else f"{srv.sync:g}s")}
 [commands]
 max_bytes = {config.commands.max_bytes}
 max_age = {config.commands.max_age}
@@ -120,6 +121,7 @@ max_sources_per_stream = {config.aggregates.max_sources_per_stream}
 archive = {json.dumps(str(ing.archive))}
 checkpoint = {json.dumps(str(ing.checkpoint))}
 max_messages_per_trigger = {ing.max_messages_per_trigger}
+trigger_interval = {ing.trigger_interval}
 messages_per_partition = {ing.messages_per_partition}
 fail_on_data_loss = {json.dumps(ing.fail_on_data_loss)}
 """,

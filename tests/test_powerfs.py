@@ -46,6 +46,21 @@ def test_synced_data_survives_and_unsynced_data_is_dropped(disk: PowerCut) -> No
     assert lost.exists() and lost.read_bytes() == b""  # the name was durable, the data not
 
 
+def test_writes_through_an_o_sync_descriptor_are_durable(disk: PowerCut) -> None:
+    """nats-server's ``sync_interval: always`` opens its files O_SYNC instead of fsyncing."""
+    f = disk.mount / "osync"
+    fd = os.open(f, os.O_WRONLY | os.O_CREAT | os.O_SYNC, 0o644)
+    try:
+        os.write(fd, b"s" * 5000)
+    finally:
+        os.close(fd)
+    _write(f, b"t" * 10, sync=False)
+
+    disk.cut()
+
+    assert f.read_bytes() == b"s" * 5000
+
+
 def test_a_torn_page_keeps_a_sector_aligned_prefix_of_the_last_write(disk: PowerCut) -> None:
     f = disk.mount / "torn"
     _write(f, b"x" * PAGE, sync=True)

@@ -8,20 +8,33 @@ using it is frozen, every write it had not fsynced is dropped (half the time the
 written is torn instead), the processes are killed, and they are started again. The agent's
 command handlers die with it, as they would.
 
+The hub's ingest (``hub-ingest run``, Spark) archives all along, with its checkpoint and
+archive on the hub's disk: it loses power with the hub and starts again with it.
+
 After the last cut, once everything has caught up, the checks are the chaos suite's: the hub
 has every reading the app had a PubAck for, exactly once and in order; no command ran twice;
-every command has its result at the hub.
+every command has its result at the hub. And a last ``hub-ingest run --once`` leaves every
+such reading in the archive exactly once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import json
+import os
 import random
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
 
+import pyarrow.dataset as ds
+
+from hub_ingest.audit import read_archive
+from hub_ingest.localfleet import write_hub_toml
 from tests.chaos.runner import MARKER, Chaos, Node, Outcome
 from tests.support.cluster import Hub, start_hub, write_agent_config
 from tests.support.powerfs import PowerCut
@@ -50,8 +63,18 @@ class PowerCuts(Chaos):
         self.plan = ["device_cut"] * device_cuts + ["hub_cut"] * hub_cuts
         self.rng.shuffle(self.plan)
         self.sync = sync
+        self.ingests: list[subprocess.Popen[bytes]] = []
 
     async def setup(self) -> None:
+        state = self.hub_disk.mount / "ingest"
+        ingest = dataclasses.replace(
+            self.hub.config.ingest,
+            archive=state / "archive",
+            checkpoint=state / "checkpoint",
+            trigger_interval=1.0,
+        )
+        self.ingest_config = dataclasses.replace(self.hub.config, ingest=ingest)
+        self.hub_toml = write_hub_toml(self.ingest_config, self.root / "hub.toml")
         self.marker.write_text(MARKER)
         allow = json.dumps([sys.executable, str(self.marker), "*"])
         section = f'[commands]\nexec_allow = [{allow}]\nshutdown_grace = "5s"\n'
@@ -69,6 +92,29 @@ class PowerCuts(Chaos):
         await node.agent.wait_event("agent_ready")
         await device.connect()
         await self.hub.register(DEVICE)
+        self._start_ingest()
+
+    def _start_ingest(self, *extra: str) -> subprocess.Popen[bytes]:
+        log = self.root / f"ingest-{len(self.ingests)}.log"
+        with log.open("ab") as out:
+            ingest = subprocess.Popen(
+                [sys.executable, "-m", "hub_ingest", "-c", str(self.hub_toml), "run", *extra],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self.ingests.append(ingest)
+        return ingest
+
+    def _kill_ingest(self) -> None:
+        for ingest in self.ingests:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(ingest.pid, signal.SIGKILL)
+            ingest.wait()
+
+    def close(self) -> None:
+        self._kill_ingest()
+        super().close()
 
     async def run(self) -> Outcome:
         started = time.monotonic()
@@ -94,6 +140,7 @@ class PowerCuts(Chaos):
         except AssertionError as exc:  # still counted: `_verify` says what the hub lacks
             self.outcome.unsettled = str(exc)
         await self._verify()
+        await self._verify_archive()
         self.outcome.wall_s = time.monotonic() - started
         return self.outcome
 
@@ -108,7 +155,28 @@ class PowerCuts(Chaos):
         seed = self.rng.randrange(2**32)
         await asyncio.to_thread(self.hub_disk.cut, torn=torn, seed=seed)
         self.hub.server.kill()  # reaps it: the cut has killed it already
+        self._kill_ingest()  # Spark's JVM may have had no file open at that moment
         await self.hub.server.start(timeout=120)
+        self._start_ingest()
+
+    async def _verify_archive(self) -> None:
+        """Stop the running ingest, archive the rest once, and count the readings."""
+        running = self.ingests[-1]
+        running.send_signal(signal.SIGTERM)
+        await asyncio.to_thread(running.wait, 120)
+        once = self._start_ingest("--once")
+        code = await asyncio.to_thread(once.wait, 600)
+        assert code == 0, f"hub-ingest run --once exited {code}: see {self.root}"
+        table = read_archive(
+            self.ingest_config.ingest.archive,
+            ["payload"],
+            ds.field("subject") == "tele.chaos",
+        )
+        got = [int(p) for p in table.column("payload").to_pylist()] if table else []
+        want = set(range(1, self.outcome.produced[DEVICE] + 1))
+        self.outcome.archived = len(got)
+        self.outcome.archive_losses = len(want - set(got))
+        self.outcome.archive_duplicates = len(got) - len(set(got))
 
     async def _commands(self, stop: asyncio.Event) -> None:
         while not stop.is_set():

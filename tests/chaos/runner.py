@@ -120,6 +120,11 @@ class Outcome:
     extra_results: int = 0
     wall_s: float = 0.0
     unsettled: str = ""  # what never caught up (power-cut runs report it instead of raising)
+    # Power-cut runs also archive: rows of acknowledged readings in the archive, and how many
+    # readings are missing from it or there more than once.
+    archived: int = 0
+    archive_losses: int = 0
+    archive_duplicates: int = 0
 
     def summary(self) -> str:
         return (

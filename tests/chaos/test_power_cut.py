@@ -23,7 +23,8 @@ async def test_a_power_cut_loses_nothing_acknowledged(
 ) -> None:
     """20 device cuts and 5 hub cuts (half of them tearing the last page written): the hub
     then has every reading the app had a PubAck for, once and in order; no command ran twice;
-    every command's result is at the hub."""
+    every command's result is at the hub; the ingest, cut with the hub, archived every reading
+    once."""
     seed = seed_from_env()
     device_cuts, hub_cuts = map(int, os.environ.get("POWER_CUTS", "20,5").split(","))
     with capsys.disabled():
@@ -38,3 +39,5 @@ async def test_a_power_cut_loses_nothing_acknowledged(
     assert (outcome.duplicates, outcome.losses, outcome.out_of_order) == (0, 0, 0), summary
     assert outcome.commands_sent > 0 and outcome.double_runs == 0, summary
     assert (outcome.missing_results, outcome.extra_results) == (0, 0), summary
+    archive = (outcome.archived, outcome.archive_losses, outcome.archive_duplicates)
+    assert archive == (outcome.produced["p"], 0, 0), f"archived, lost, twice: {archive}"

@@ -5,7 +5,8 @@ fsynced in memory, the way a kernel's page cache does; ``fsync`` writes a file's
 backing directory and fsyncs it there. On `PowerCut.cut` every process with a file open under
 the mount is stopped, the unsynced pages are dropped (optionally tearing one: a random prefix
 of the last page written, in 512-byte sectors, reaches the disk) and the processes are
-SIGKILLed. What was fsynced survives; nothing else does.
+SIGKILLed. What was fsynced (or written through a descriptor opened ``O_SYNC``/``O_DSYNC``)
+survives; nothing else does.
 
 The model is a journaling filesystem whose *metadata* is durable at once: creating, renaming,
 removing and truncating files reach the backing directory immediately, only file *data* waits
@@ -62,6 +63,7 @@ class PowerFS(mfusepy.Operations):  # type: ignore[misc]
         self._mutex = threading.RLock()
         self.files: dict[int, _File] = {}  # by backing inode, while the inode has a name
         self.handles: dict[int, _File] = {}  # by open file handle (outlives an unlink)
+        self.synchronous: set[int] = set()  # handles opened O_SYNC / O_DSYNC
         self.powered = True
         self.last_write: tuple[_File, int] | None = None  # file, page index
         self.synced_bytes = 0
@@ -118,16 +120,20 @@ class PowerFS(mfusepy.Operations):  # type: ignore[misc]
             if flags & os.O_TRUNC:
                 f.pages.clear()
                 f.size = 0
-            self.handles[fd] = f
+            self._track(fd, f, flags)
             return fd
 
     def create(self, path: str, mode: int, flags: int = os.O_RDWR) -> int:
         with self._mutex:
             self._check_power()
             fd = os.open(self._full(path), _backing_flags(flags) | os.O_CREAT, mode)
-            f = self._file(fd)
-            self.handles[fd] = f
+            self._track(fd, self._file(fd), flags)
             return fd
+
+    def _track(self, fd: int, f: _File, flags: int) -> None:
+        self.handles[fd] = f
+        if flags & (os.O_SYNC | os.O_DSYNC):
+            self.synchronous.add(fd)  # each write is durable when it returns (nats-server)
 
     def read(self, path: str | None, size: int, offset: int, fh: int) -> bytes:
         with self._mutex:
@@ -156,6 +162,8 @@ class PowerFS(mfusepy.Operations):  # type: ignore[misc]
                 pos += n
                 self.last_write = (f, index)
             f.size = max(f.size, offset + len(data))
+            if fh in self.synchronous:
+                self._flush(f)
             return len(data)
 
     def truncate(self, path: str | None, length: int, fh: int | None = None) -> int:
@@ -192,6 +200,7 @@ class PowerFS(mfusepy.Operations):  # type: ignore[misc]
     def release(self, path: str | None, fh: int) -> int:
         with self._mutex:
             self.handles.pop(fh, None)
+            self.synchronous.discard(fh)
             os.close(fh)
             return 0
 
