@@ -98,7 +98,7 @@ class SyncedBatches:
 def _batch_files(sink: dict[int, Path], batch: int) -> list[Path]:
     """The data files batch `batch` wrote. A compaction entry lists the whole archive: of
     those, the files written after the entry before it."""
-    files = _listed(sink[batch])
+    files = sink_files(sink[batch])
     if sink[batch].suffix != ".compact":
         return files
     earlier = [p.stat().st_mtime for b, p in sink.items() if b < batch]
@@ -106,7 +106,7 @@ def _batch_files(sink: dict[int, Path], batch: int) -> list[Path]:
     return [f for f in files if f.stat().st_mtime >= since]
 
 
-def _listed(entry: Path) -> list[Path]:
+def sink_files(entry: Path) -> list[Path]:
     """The existing data files a sink log entry lists."""
     try:
         lines = entry.read_text(encoding="utf-8").splitlines()[1:]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import pytest
 from pyspark.sql import SparkSession
 
 from hub_ingest.audit import audit_archive, read_archive
+from hub_ingest.durability import MARKER, sink_files
 from hub_ingest.job import _translate
 from hub_ingest.localfleet import write_hub_toml
 from tests.support.cluster import Hub
@@ -150,3 +152,32 @@ def test_a_failed_query_is_one_line_with_its_cause() -> None:
     )
     error = _translate(RuntimeError(trace))
     assert str(error) == "ingest query failed: NoServersError: nats: no servers available"
+
+
+async def test_a_checkpoint_a_power_cut_emptied_is_repaired_and_nothing_is_lost(
+    hub: Hub, spark: SparkSession
+) -> None:
+    """What a power cut leaves of the batches after the last sync (their log entries and
+    Parquet files empty behind their names): the next run rolls them back, reads them again,
+    and the archive has every reading once."""
+    a = await hub.device("a", heartbeat_interval="1h")
+    for i in range(60):
+        await a.js.publish("tele.temp", str(i).encode())
+    await eventually(lambda: aggregate_has(hub, "FLEET_TELEMETRY", 60), timeout=RESUME_TIMEOUT)
+    config = ingest_config(hub, max_messages_per_trigger=20, messages_per_partition=10)
+    await run_once(spark, config)
+    checkpoint, archive = config.ingest.checkpoint, config.ingest.archive
+    last = json.loads((checkpoint / MARKER).read_text())["batch"]
+    assert last >= 2
+    # The last two batches never reached the disk; the marker still says they did not.
+    (checkpoint / MARKER).write_text(json.dumps({"batch": last - 2}))
+    emptied = [checkpoint / "offsets" / str(last - 1), checkpoint / "commits" / str(last)]
+    sink = archive / "_spark_metadata"
+    emptied += [sink / str(last), *sink_files(sink / str(last - 1))]
+    for path in emptied:
+        path.write_bytes(b"")
+
+    await run_once(spark, config)
+
+    assert [r["device_seq"] for r in telemetry(config).to_pylist()] == list(range(1, 61))
+    assert audit_archive(archive).ok
