@@ -96,30 +96,36 @@ class AuditReport:
         }
 
 
+def log_entries(directory: Path) -> list[tuple[int, Path]]:
+    """(batch, file) of a Spark metadata log directory (the sink's, or the checkpoint's
+    ``offsets`` and ``commits``), in batch order, compaction files (``<n>.compact``) included."""
+    found = []
+    if directory.is_dir():
+        for entry in directory.iterdir():
+            stem, _, suffix = entry.name.partition(".")
+            if stem.isdigit() and suffix in ("", "compact"):  # not the hidden temporary files
+                found.append((int(stem), entry))
+    return sorted(found)
+
+
+def entry_files(entry: Path) -> list[tuple[str, Path]]:
+    """(action, data file) of each line of a sink log entry: ``add`` or ``delete``."""
+    items = [json.loads(line) for line in entry.read_text(encoding="utf-8").splitlines()[1:]]
+    return [(i.get("action", "add"), Path(unquote(urlparse(i["path"]).path))) for i in items]
+
+
 def committed_files(archive: Path) -> list[Path]:
     """The Parquet files of every committed batch, from the file sink's metadata log."""
-    log_dir = archive / METADATA_DIR
-    if not log_dir.is_dir():
-        return []
-    batches: dict[int, Path] = {}
-    compact = -1
-    for entry in log_dir.iterdir():
-        stem, _, suffix = entry.name.partition(".")
-        if not stem.isdigit() or suffix not in ("", "compact"):
-            continue  # hidden temporary files of a write in progress
-        batches[int(stem)] = entry
-        if suffix == "compact":
-            compact = max(compact, int(stem))
-    files: dict[str, None] = {}  # ordered set
-    for batch in sorted(b for b in batches if b >= compact):
-        for line in batches[batch].read_text(encoding="utf-8").splitlines()[1:]:
-            item = json.loads(line)
-            path = unquote(urlparse(item["path"]).path)
-            if item.get("action") == "delete":
+    entries = log_entries(archive / METADATA_DIR)
+    compact = max((b for b, p in entries if p.suffix == ".compact"), default=-1)
+    files: dict[Path, None] = {}  # ordered set
+    for _, entry in (e for e in entries if e[0] >= compact):
+        for action, path in entry_files(entry):
+            if action == "delete":
                 files.pop(path, None)
             else:
                 files[path] = None
-    return [Path(p) for p in files]
+    return list(files)
 
 
 def read_archive(

@@ -24,34 +24,24 @@ its messages meanwhile, ``failOnDataLoss`` reports it as for any other gap.
 from __future__ import annotations
 
 import json
-import os
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import unquote, urlparse
 
 import pyarrow.parquet as pq
 import structlog
 
-from edge_agent.protocol.files import write_durably
+from edge_agent.protocol.files import fsync, write_durably
+from hub_ingest.audit import METADATA_DIR, entry_files, log_entries
 
 log = structlog.get_logger(__name__)
 
 MARKER = "hub-ingest-synced.json"
-SINK_LOG = "_spark_metadata"
 
 
 def is_local(path: Path) -> bool:
     """A plain path, not a Hadoop URI (``hdfs://``, ``s3a://``: stores that need no fsync)."""
     return ":/" not in str(path)
-
-
-def fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if path.is_dir() else 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 @dataclass
@@ -76,11 +66,11 @@ class SyncedBatches:
             return
         written: set[Path] = set()
         for directory in (self.checkpoint / "offsets", self.checkpoint / "commits"):
-            written |= {p for b, p in _entries(directory) if self.batch < b <= batch}
+            written |= {p for b, p in log_entries(directory) if self.batch < b <= batch}
         written |= {p for p in self.checkpoint.glob("sources/*/*") if p.is_file()}
         written.add(self.checkpoint / "metadata")
         if is_local(self.archive):
-            sink = dict(_entries(self.archive / SINK_LOG))
+            sink = dict(log_entries(self.archive / METADATA_DIR))
             for b, entry in sink.items():
                 if self.batch < b <= batch:
                     written |= {entry, *_batch_files(sink, b)}
@@ -107,13 +97,12 @@ def _batch_files(sink: dict[int, Path], batch: int) -> list[Path]:
 
 
 def sink_files(entry: Path) -> list[Path]:
-    """The existing data files a sink log entry lists."""
+    """The existing data files a sink log entry adds ([] for an entry a cut damaged)."""
     try:
-        lines = entry.read_text(encoding="utf-8").splitlines()[1:]
-        paths = [Path(unquote(urlparse(json.loads(line)["path"]).path)) for line in lines]
+        listed = entry_files(entry)
     except (OSError, ValueError, KeyError):
         return []
-    return [p for p in paths if p.exists()]
+    return [p for action, p in listed if action != "delete" and p.exists()]
 
 
 @dataclass
@@ -129,7 +118,7 @@ def repair(checkpoint: Path, archive: Path) -> Repair:
         return done
     synced = SyncedBatches.load(checkpoint, archive).batch
     _repair_metadata(checkpoint, done)
-    sink = archive / SINK_LOG
+    sink = archive / METADATA_DIR
     logs = [checkpoint / "offsets", checkpoint / "commits", sink]
     for directory in [*logs, checkpoint / "sources"]:
         _remove_crc(directory, synced, done)
@@ -137,7 +126,7 @@ def repair(checkpoint: Path, archive: Path) -> Repair:
     if first_bad is not None:
         done.rolled_back_from = first_bad
         for directory in logs:
-            for entry in _entries(directory):
+            for entry in log_entries(directory):
                 if entry[0] >= first_bad:
                     _remove(entry[1], done)
     if done.removed or done.rolled_back_from is not None:
@@ -163,17 +152,6 @@ def _repair_metadata(checkpoint: Path, done: Repair) -> None:
             _remove(source, done)  # the source's initial offset: Spark asks for it again
 
 
-def _entries(directory: Path) -> list[tuple[int, Path]]:
-    """(batch, file) of a Spark metadata log directory, compaction files included."""
-    found = []
-    if directory.is_dir():
-        for entry in directory.iterdir():
-            stem, _, suffix = entry.name.partition(".")
-            if stem.isdigit() and suffix in ("", "compact"):
-                found.append((int(stem), entry))
-    return sorted(found)
-
-
 def _log_ok(path: Path, min_lines: int) -> bool:
     """A Spark metadata log file: a ``v<n>`` line, then whole JSON lines."""
     try:
@@ -197,13 +175,13 @@ def _parquet_ok(path: Path) -> bool:
 
 def _first_damaged_batch(checkpoint: Path, sink: Path, synced: int, done: Repair) -> int | None:
     bad: list[int] = []
-    for batch, path in _entries(checkpoint / "offsets"):
+    for batch, path in log_entries(checkpoint / "offsets"):
         if batch > synced and not _log_ok(path, 3):
             bad.append(batch)
-    for batch, path in _entries(checkpoint / "commits"):
+    for batch, path in log_entries(checkpoint / "commits"):
         if batch > synced and not _log_ok(path, 2):
             bad.append(batch)
-    entries = dict(_entries(sink))
+    entries = dict(log_entries(sink))
     for batch, path in entries.items():
         if batch <= synced:
             continue

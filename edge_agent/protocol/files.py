@@ -22,12 +22,13 @@ def write_durably(path: Path, text: str, *, mode: int = 0o644) -> Path:
     finally:
         os.close(fd)
     tmp.replace(path)
-    fsync_dir(path.parent)
+    fsync(path.parent)
     return path
 
 
-def fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+def fsync(path: Path) -> None:
+    """fsync a file, or a directory (which makes the names in it durable)."""
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if path.is_dir() else 0))
     try:
         os.fsync(fd)
     finally:
