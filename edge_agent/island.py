@@ -165,16 +165,6 @@ def quarantined(config: Config) -> list[str]:
     return sorted(p.name for p in directory.iterdir()) if directory.is_dir() else []
 
 
-async def _unrecoverable(monitor: Monitor) -> tuple[str, str] | None:
-    """(account, stream) of a stream the island could not recover, if /healthz names one."""
-    try:
-        error = str((await monitor.get("/healthz")).get("error") or "")
-    except MonitorUnavailable:
-        return None
-    match = _UNRECOVERABLE.search(error)
-    return (match.group(1), match.group(2)) if match else None
-
-
 async def wait_healthy(
     monitor: Monitor, timeout: float, proc: asyncio.subprocess.Process | None = None
 ) -> None:
@@ -182,9 +172,15 @@ async def wait_healthy(
     or as soon as `proc` (the island being started) has exited, and `StoreDamaged` as soon as
     it reports a stream it cannot recover."""
     deadline = time.monotonic() + timeout
-    while not await monitor.healthy():
-        if (damaged := await _unrecoverable(monitor)) is not None:
-            raise StoreDamaged(*damaged)
+    while True:
+        try:
+            health = await monitor.get("/healthz")
+        except MonitorUnavailable:
+            health = {}  # not listening yet
+        if health.get("status") == "ok":
+            return
+        if damaged := _UNRECOVERABLE.search(str(health.get("error") or "")):
+            raise StoreDamaged(damaged.group(1), damaged.group(2))
         if proc is not None and proc.returncode is not None:
             raise IslandUnavailable(f"nats-server exited with code {proc.returncode} on start-up")
         if time.monotonic() > deadline:
