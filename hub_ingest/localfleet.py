@@ -35,6 +35,7 @@ from edge_agent.protocol.files import write_durably
 from edge_agent.protocol.monitor import Monitor
 from edge_agent.protocol.names import COMMAND_MIRROR, TELEMETRY
 from edge_agent.protocol.natsserver import ServerProcess, resolve_nats_server
+from edge_agent.protocol.tomlconf import format_sync
 from hub_ingest.auth import write_auth
 from hub_ingest.config import HubConfig, parse_hub_config
 from hub_ingest.enrol import enrol
@@ -111,7 +112,7 @@ leaf_compression = {json.dumps(srv.leaf_compression)}
 store_dir = {json.dumps(str(srv.store_dir))}
 max_file_store = {srv.max_file_store}
 max_memory_store = {srv.max_memory_store}
-sync = {json.dumps("always" if srv.sync is None else f"{srv.sync:g}s")}
+sync = {json.dumps(format_sync(srv.sync))}
 [commands]
 max_bytes = {config.commands.max_bytes}
 max_age = {config.commands.max_age}

@@ -115,6 +115,11 @@ def sync_policy(value: object) -> float | None:
     return seconds
 
 
+def format_sync(policy: float | None) -> str:
+    """`sync_policy`'s value as the config file writes it (the inverse of `sync_policy`)."""
+    return "always" if policy is None else f"{policy:g}s"
+
+
 def render_sync(policy: float | None) -> str:
     """The nats-server ``sync_interval`` line for `sync_policy`'s value."""
     return (

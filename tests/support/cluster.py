@@ -26,6 +26,7 @@ from edge_agent.config import Config, parse_config
 from edge_agent.handlers import Handler
 from edge_agent.protocol.monitor import Monitor
 from edge_agent.protocol.natsserver import resolve_nats_server
+from edge_agent.protocol.tomlconf import format_sync
 from hub_ingest.enrol import enrol
 from hub_ingest.incarnations import observe, watch
 from hub_ingest.localfleet import LocalHub, free_port, start_local_hub, stream_messages
@@ -287,7 +288,7 @@ client_listen = {json.dumps(str(cfg.island.client_listen))}
 monitor_listen = {json.dumps(str(cfg.island.monitor_listen))}
 supervise = "child"
 nats_server = {json.dumps(cfg.island.nats_server)}
-sync = {json.dumps("always" if cfg.island.sync is None else f"{cfg.island.sync:g}s")}
+sync = {json.dumps(format_sync(cfg.island.sync))}
 [hub]
 urls = {json.dumps(list(cfg.hub.urls))}
 credentials = {json.dumps(str(cfg.hub.credentials))}
