@@ -34,7 +34,7 @@ from pathlib import Path
 import pyarrow.dataset as ds
 
 from hub_ingest.audit import read_archive
-from hub_ingest.localfleet import write_hub_toml
+from hub_ingest.localfleet import Child, write_hub_toml
 from tests.chaos.runner import MARKER, Chaos, Node, Outcome
 from tests.support.cluster import Hub, start_hub, write_agent_config
 from tests.support.powerfs import PowerCut
@@ -59,11 +59,14 @@ class PowerCuts(Chaos):
     ) -> None:
         super().__init__(hub, root, seed, faults=0)
         self.rng = random.Random(seed)
+        # The commands' pace has its own generator: drawn concurrently with the cuts, a shared
+        # one would make the cut schedule depend on timing, and a seed would not replay it.
+        self.pace = random.Random(seed + 1)
         self.device_disk, self.hub_disk = device_disk, hub_disk
         self.plan = ["device_cut"] * device_cuts + ["hub_cut"] * hub_cuts
         self.rng.shuffle(self.plan)
         self.sync = sync
-        self.ingests: list[subprocess.Popen[bytes]] = []
+        self.ingests: list[Child] = []
 
     async def setup(self) -> None:
         state = self.hub_disk.mount / "ingest"
@@ -95,22 +98,19 @@ class PowerCuts(Chaos):
         self._start_ingest()
 
     def _start_ingest(self, *extra: str) -> subprocess.Popen[bytes]:
-        log = self.root / f"ingest-{len(self.ingests)}.log"
-        with log.open("ab") as out:
-            ingest = subprocess.Popen(
-                [sys.executable, "-m", "hub_ingest", "-c", str(self.hub_toml), "run", *extra],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+        argv = ["hub_ingest", "-c", str(self.hub_toml), "run", *extra]
+        ingest = Child(argv, self.root / f"ingest-{len(self.ingests)}.log").start()
         self.ingests.append(ingest)
-        return ingest
+        assert ingest.proc is not None
+        return ingest.proc
 
     def _kill_ingest(self) -> None:
+        """SIGKILL every ingest's process group: the Python driver and Spark's JVM."""
         for ingest in self.ingests:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(ingest.pid, signal.SIGKILL)
-            ingest.wait()
+            if ingest.proc is not None:
+                ingest.proc.wait()
 
     def close(self) -> None:
         self._kill_ingest()
@@ -162,8 +162,9 @@ class PowerCuts(Chaos):
     async def _verify_archive(self) -> None:
         """Stop the running ingest, archive the rest once, and count the readings."""
         running = self.ingests[-1]
-        running.send_signal(signal.SIGTERM)
-        await asyncio.to_thread(running.wait, 120)
+        running.signal(signal.SIGTERM)
+        assert running.proc is not None
+        await asyncio.to_thread(running.proc.wait, 120)
         once = self._start_ingest("--once")
         code = await asyncio.to_thread(once.wait, 600)
         assert code == 0, f"hub-ingest run --once exited {code}: see {self.root}"
@@ -181,7 +182,7 @@ class PowerCuts(Chaos):
     async def _commands(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             await self._command(DEVICE)
-            await asyncio.sleep(self.rng.uniform(*COMMAND_PACE))  # the schedule's clock
+            await asyncio.sleep(self.pace.uniform(*COMMAND_PACE))  # the schedule's clock
 
 
 async def run_power_cuts(
