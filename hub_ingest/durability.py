@@ -15,7 +15,8 @@ So the ingest does two things:
   commit and sink log entries and the Parquet files they list). From the first damaged batch
   on, the batches are rolled back (their log entries removed), and Spark runs them again from
   the hub's streams, which still hold them; damaged Parquet files are deleted. Hadoop's
-  ``.crc`` files of that window are removed too (they are optional, and may be torn).
+  ``.crc`` files of that window are removed too (they are optional, and may be torn), and so
+  are Spark's temporary files of writes that never finished.
 
 Nothing is lost by a repair: a rolled-back batch is read again, and if retention removed
 its messages meanwhile, ``failOnDataLoss`` reports it as for any other gap.
@@ -121,7 +122,7 @@ def repair(checkpoint: Path, archive: Path) -> Repair:
     sink = archive / METADATA_DIR
     logs = [checkpoint / "offsets", checkpoint / "commits", sink]
     for directory in [*logs, checkpoint / "sources"]:
-        _remove_crc(directory, synced, done)
+        _remove_leftovers(directory, synced, done)
     first_bad = _first_damaged_batch(checkpoint, sink, synced, done)
     if first_bad is not None:
         done.rolled_back_from = first_bad
@@ -146,6 +147,7 @@ def _repair_metadata(checkpoint: Path, done: Repair) -> None:
             json.loads(meta.read_text())["id"]
         except (ValueError, KeyError, TypeError):
             _remove(meta, done)
+            _remove(meta.with_name(".metadata.crc"), done, quiet=True)  # the torn file's
             write_durably(meta, json.dumps({"id": str(uuid.uuid4())}) + "\n")
     for source in (checkpoint / "sources").glob("*/*"):
         if source.is_file() and not source.name.startswith(".") and not _log_ok(source, 1):
@@ -196,8 +198,12 @@ def _first_damaged_batch(checkpoint: Path, sink: Path, synced: int, done: Repair
     return min(bad) if bad else None
 
 
-def _remove_crc(directory: Path, synced: int, done: Repair) -> None:
+def _remove_leftovers(directory: Path, synced: int, done: Repair) -> None:
+    """Spark's unfinished writes (``.<n>.<uuid>.tmp``, left by any kill: Spark refuses to
+    start batch 0 beside one) and the checksums written since the last sync."""
     if directory.is_dir():
+        for tmp in directory.rglob(".*.tmp"):
+            _remove(tmp, done, quiet=True)
         for crc in directory.rglob(".*.crc"):
             stem = crc.name[1:-4].partition(".")[0]
             if not stem.isdigit() or int(stem) > synced:

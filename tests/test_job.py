@@ -181,3 +181,25 @@ async def test_a_checkpoint_a_power_cut_emptied_is_repaired_and_nothing_is_lost(
 
     assert [r["device_seq"] for r in telemetry(config).to_pylist()] == list(range(1, 61))
     assert audit_archive(archive).ok
+
+
+async def test_a_first_batch_a_cut_or_kill_interrupted_does_not_block_the_start(
+    hub: Hub, spark: SparkSession
+) -> None:
+    """What a power cut left in a power-cut run before any batch finished: an empty
+    ``metadata`` with an empty checksum beside it, and the temporary file of the first
+    offsets write. Spark alone refuses to start beside that temporary file."""
+    a = await hub.device("a", heartbeat_interval="1h")
+    for i in range(30):
+        await a.js.publish("tele.temp", str(i).encode())
+    await eventually(lambda: aggregate_has(hub, "FLEET_TELEMETRY", 30), timeout=RESUME_TIMEOUT)
+    config = ingest_config(hub)
+    checkpoint = config.ingest.checkpoint
+    (checkpoint / "offsets").mkdir(parents=True)
+    (checkpoint / "commits").mkdir()
+    for left in ("metadata", ".metadata.crc", "offsets/.0.c500b990-69f6-4da3.tmp"):
+        (checkpoint / left).write_bytes(b"")
+
+    await run_once(spark, config)
+
+    assert [r["device_seq"] for r in telemetry(config).to_pylist()] == list(range(1, 31))
