@@ -8,29 +8,27 @@ archive, that its stream's budget or max age removed those sequences
 (``streams.<name>.first_seq`` past the range, with ``dropped`` > 0). Against the hub: how
 many messages of each aggregate stream are not archived yet (in flight, not an error).
 
-Only files committed in the sink's ``_spark_metadata`` log are read: a batch killed half way
-leaves part files (sometimes 0 bytes) that no reader may count.
+The archive is read through its table's current snapshot (`hub_ingest.table`): files of a
+batch killed half way are in no snapshot, and no reader counts them.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import re
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
-from urllib.parse import unquote, urlparse
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
-import pyarrow.dataset as ds
 from nats.js import JetStreamContext
 
+from hub_ingest import table
 from hub_ingest.commands import attribute
+from hub_ingest.config import IngestConfig
 from hub_ingest.provision import AGGREGATES
 
-METADATA_DIR = "_spark_metadata"
+_HEARTBEAT = re.compile(r"^evt\.[^.]+\.heartbeat$")
 _KEY_COLUMNS = ["device_id", "incarnation", "hub_stream", "device_seq", "hub_seq"]
 
 
@@ -96,61 +94,13 @@ class AuditReport:
         }
 
 
-def log_entries(directory: Path) -> list[tuple[int, Path]]:
-    """(batch, file) of a Spark metadata log directory (the sink's, or the checkpoint's
-    ``offsets`` and ``commits``), in batch order, compaction files (``<n>.compact``) included."""
-    found = []
-    if directory.is_dir():
-        for entry in directory.iterdir():
-            stem, _, suffix = entry.name.partition(".")
-            if stem.isdigit() and suffix in ("", "compact"):  # not the hidden temporary files
-                found.append((int(stem), entry))
-    return sorted(found)
-
-
-def entry_files(entry: Path) -> list[tuple[str, Path]]:
-    """(action, data file) of each line of a sink log entry: ``add`` or ``delete``."""
-    items = [json.loads(line) for line in entry.read_text(encoding="utf-8").splitlines()[1:]]
-    return [(i.get("action", "add"), Path(unquote(urlparse(i["path"]).path))) for i in items]
-
-
-def committed_files(archive: Path) -> list[Path]:
-    """The Parquet files of every committed batch, from the file sink's metadata log."""
-    entries = log_entries(archive / METADATA_DIR)
-    compact = max((b for b, p in entries if p.suffix == ".compact"), default=-1)
-    files: dict[Path, None] = {}  # ordered set
-    for _, entry in (e for e in entries if e[0] >= compact):
-        for action, path in entry_files(entry):
-            if action == "delete":
-                files.pop(path, None)
-            else:
-                files[path] = None
-    return list(files)
-
-
-def read_archive(
-    archive: Path, columns: list[str] | None = None, filter: ds.Expression | None = None
-) -> pa.Table | None:
-    """Committed rows of the archive (with the ``date`` partition column), or None if none."""
-    files = committed_files(archive)
-    if not files:
-        return None
-    dataset = ds.dataset(
-        [str(f) for f in files],
-        format="parquet",
-        partitioning=ds.partitioning(flavor="hive"),
-        partition_base_dir=str(archive),
-    )
-    return dataset.to_table(columns=columns, filter=filter)
-
-
-def audit_archive(archive: Path) -> AuditReport:
-    table = read_archive(archive, _KEY_COLUMNS, ds.field("device_seq").is_valid())
-    if table is None or table.num_rows == 0:
+def audit_archive(config: IngestConfig) -> AuditReport:
+    rows = table.read(config, _KEY_COLUMNS, "device_seq IS NOT NULL")
+    if rows is None or rows.num_rows == 0:
         return AuditReport(())
-    dropped = _reported_drops(archive)
+    dropped = _reported_drops(config)
     keys = ["device_id", "incarnation", "hub_stream"]
-    groups = table.group_by(keys).aggregate([("device_seq", "list"), ("hub_seq", "min")])
+    groups = rows.group_by(keys).aggregate([("device_seq", "list"), ("hub_seq", "min")])
     devices = []
     for group in groups.to_pylist():
         device_id, incarnation, hub_stream = (group[k] for k in keys)
@@ -207,17 +157,17 @@ def _device_stream(hub_stream: str) -> str:
     return hub_stream
 
 
-def _reported_drops(archive: Path) -> dict[tuple[str, str, str | None], int]:
+def _reported_drops(config: IngestConfig) -> dict[tuple[str, str, str | None], int]:
     """(device, stream, incarnation) → the first sequence the device still had after dropping
     older ones. Only a device's own heartbeats count (see `hub_ingest.commands.attribute`): a
     device cannot explain away another's gaps."""
-    beats = read_archive(
-        archive,
-        ["device_id", "incarnation", "subject", "payload"],
-        pc.match_substring_regex(ds.field("subject"), r"^evt\.[^.]+\.heartbeat$"),
+    beats = table.read(
+        config, ["device_id", "incarnation", "subject", "payload"], "subject LIKE 'evt.%'"
     )
     out: dict[tuple[str, str, str | None], int] = {}
     for row in beats.to_pylist() if beats is not None else []:
+        if not _HEARTBEAT.match(row["subject"]):
+            continue
         try:
             body = json.loads(row["payload"])
             streams = body["streams"]
@@ -235,13 +185,12 @@ def _reported_drops(archive: Path) -> dict[tuple[str, str, str | None], int]:
     return out
 
 
-async def backlog(js: JetStreamContext, archive: Path, streams: list[str]) -> list[StreamBacklog]:
+async def backlog(
+    js: JetStreamContext, config: IngestConfig, streams: list[str]
+) -> list[StreamBacklog]:
     """Per aggregate stream: how many of its messages the archive does not have yet."""
-    table = read_archive(archive, ["hub_stream", "hub_seq"])
-    archived: dict[str, int] = {}
-    if table is not None and table.num_rows:
-        for row in table.group_by("hub_stream").aggregate([("hub_seq", "max")]).to_pylist():
-            archived[row["hub_stream"]] = row["hub_seq_max"]
+    current = table.load(config)
+    archived = table.archived(current) if current is not None else {}
     out = []
     for name in streams:
         state = (await js.stream_info(name)).state

@@ -69,8 +69,10 @@ class ServerConfig:
 class IngestConfig:
     """The Spark job that archives the aggregate streams (``hub-ingest run``)."""
 
-    archive: Path  # Parquet, partitioned by date; a local path or any Hadoop URI
-    checkpoint: Path  # Spark's checkpoint: the only record of what has been archived
+    archive: Path  # the Iceberg table's location; a local path or a URI (s3://, hdfs://)
+    catalog: str  # the table's catalog: sqlite:///…, postgresql+psycopg://…, or a REST URL
+    table: str  # the table's name in the catalog: "<namespace>.<name>"
+    checkpoint: Path  # Spark's checkpoint: which stream ranges each batch reads
     master: str
     trigger_interval: float  # seconds between micro-batches when running continuously
     max_messages_per_trigger: int
@@ -79,6 +81,9 @@ class IngestConfig:
     payload_schema: str | None  # Spark DDL of JSON payloads, e.g. "temp DOUBLE, unit STRING"
     # A device clock further than this from the hub's marks its rows' device_time suspect.
     clock_tolerance: float = 120.0
+    compact_after_run: bool = False  # `run --once` compacts and expires when it is done
+    keep_snapshots: float = 86400.0  # older snapshots are expired, their files deleted
+    compact_file_size: int = 256 * 1024**2  # what `compact` aims at per file
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +110,23 @@ def _boolean(value: object) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"expected true or false, got {value!r}")
     return value
+
+
+def _catalog_uri(value: object) -> str:
+    uri = string(value)
+    if not uri.startswith(("sqlite:///", "postgresql", "mysql", "http://", "https://")):
+        raise ValueError(
+            "expected sqlite:///<file>, a SQLAlchemy URL (postgresql+psycopg://…) "
+            f"or a REST catalog URL, got {uri!r}"
+        )
+    return uri
+
+
+def _table_name(value: object) -> str:
+    namespace, dot, name = string(value).rpartition(".")
+    if not dot or not all(map(identifier, (namespace, name))):
+        raise ValueError(f'expected "<namespace>.<name>", got {value!r}')
+    return f"{namespace}.{name}"
 
 
 def _parse(data: dict[str, Any], source: Path | None) -> HubConfig:
@@ -160,8 +182,11 @@ def _parse(data: dict[str, Any], source: Path | None) -> HubConfig:
         )
 
     ing = root.table("ingest")
+    archive = ing.get("archive", path, state_dir / "archive")
     ingest = IngestConfig(
-        archive=ing.get("archive", path, state_dir / "archive"),
+        archive=archive,
+        catalog=ing.get("catalog", _catalog_uri, f"sqlite:///{archive.absolute()}/catalog.db"),
+        table=ing.get("table", _table_name, "hub.archive"),
         checkpoint=ing.get("checkpoint", path, state_dir / "checkpoint"),
         master=ing.get("master", string, "local[*]"),
         trigger_interval=ing.get("trigger_interval", parse_duration, 10.0),
@@ -170,6 +195,9 @@ def _parse(data: dict[str, Any], source: Path | None) -> HubConfig:
         fail_on_data_loss=ing.get("fail_on_data_loss", _boolean, True),
         payload_schema=ing.get("payload_schema", string, None),
         clock_tolerance=ing.get("clock_tolerance", parse_duration, 120.0),
+        compact_after_run=ing.get("compact_after_run", _boolean, False),
+        keep_snapshots=ing.get("keep_snapshots", parse_duration, 86400.0),
+        compact_file_size=ing.get("compact_file_size", parse_size, 256 * 1024**2),
     )
     ing.finish()
     root.finish()

@@ -1,25 +1,23 @@
-"""The ingest's checkpoint and archive log survive a power cut.
+"""The ingest's checkpoint survives a power cut.
 
-Spark writes its checkpoint (``offsets/``, ``commits/``, ``metadata``, ``sources/``) and the
-file sink's log (``<archive>/_spark_metadata``) through Hadoop's local file system, which never
-fsyncs. A power cut can then leave any of those files, or a Parquet file they list, empty or
-torn behind its final name (ext4's delayed allocation does this), and Spark refuses to start
-("No content to map due to end-of-input") or the archive lists a file no reader can open.
+Spark writes its checkpoint (``offsets/``, ``commits/``, ``metadata``, ``sources/``) through
+Hadoop's local file system, which never fsyncs. A power cut can then leave any of those files
+empty or torn behind its final name (ext4's delayed allocation does this), and Spark refuses
+to start ("No content to map due to end-of-input").
 
 So the ingest does two things:
 
 - after each batch Spark reports done, `SyncedBatches.mark` fsyncs what Spark wrote for it
-  (its log entries, the Parquet files they list, their directories) and then records that
-  batch, durably, in ``<checkpoint>/hub-ingest-synced.json``: everything up to it is on disk;
-- before the query starts, `repair` checks every file written after that batch (the offset,
-  commit and sink log entries and the Parquet files they list). From the first damaged batch
-  on, the batches are rolled back (their log entries removed), and Spark runs them again from
-  the hub's streams, which still hold them; damaged Parquet files are deleted. Hadoop's
-  ``.crc`` files of that window are removed too (they are optional, and may be torn), and so
-  are Spark's temporary files of writes that never finished.
+  and then records that batch, durably, in ``<checkpoint>/hub-ingest-synced.json``;
+- before the query starts, `repair` checks every log entry written after that batch. From
+  the first damaged batch on, the batches are rolled back (their entries removed), and Spark
+  plans them again from the hub's streams, which still hold them. Hadoop's ``.crc`` files of
+  that window are removed too (they are optional, and may be torn), and so are Spark's
+  temporary files of writes that never finished.
 
-Nothing is lost by a repair: a rolled-back batch is read again, and if retention removed
-its messages meanwhile, ``failOnDataLoss`` reports it as for any other gap.
+A rolled-back batch cannot duplicate rows: the archive table records, in the commit that adds
+them, the highest sequence it holds of each stream (`hub_ingest.sink`), and the table itself
+is fsynced before its catalog points at it (`hub_ingest.table.SyncedFileIO`).
 """
 
 from __future__ import annotations
@@ -29,20 +27,26 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import structlog
 
 from edge_agent.protocol.files import fsync, write_durably
-from hub_ingest.audit import METADATA_DIR, entry_files, log_entries
+from hub_ingest.table import is_local
 
 log = structlog.get_logger(__name__)
 
 MARKER = "hub-ingest-synced.json"
 
 
-def is_local(path: Path) -> bool:
-    """A plain path, not a Hadoop URI (``hdfs://``, ``s3a://``: stores that need no fsync)."""
-    return ":/" not in str(path)
+def log_entries(directory: Path) -> list[tuple[int, Path]]:
+    """(batch, file) of a Spark metadata log directory (``offsets``, ``commits``), in batch
+    order, compaction files (``<n>.compact``) included."""
+    found = []
+    if directory.is_dir():
+        for entry in directory.iterdir():
+            stem, _, suffix = entry.name.partition(".")
+            if stem.isdigit() and suffix in ("", "compact"):  # not the hidden temporary files
+                found.append((int(stem), entry))
+    return sorted(found)
 
 
 @dataclass
@@ -50,16 +54,15 @@ class SyncedBatches:
     """The last batch known to be on disk, kept in the checkpoint."""
 
     checkpoint: Path
-    archive: Path
     batch: int = -1
 
     @classmethod
-    def load(cls, checkpoint: Path, archive: Path) -> SyncedBatches:
+    def load(cls, checkpoint: Path) -> SyncedBatches:
         try:
             batch = int(json.loads((checkpoint / MARKER).read_text())["batch"])
         except (OSError, ValueError, KeyError, TypeError):
             batch = -1  # never synced, or the marker itself was torn: check everything
-        return cls(checkpoint, archive, batch)
+        return cls(checkpoint, batch)
 
     def mark(self, batch: int) -> None:
         """fsync what Spark wrote for the batches up to `batch`, then record it."""
@@ -70,11 +73,6 @@ class SyncedBatches:
             written |= {p for b, p in log_entries(directory) if self.batch < b <= batch}
         written |= {p for p in self.checkpoint.glob("sources/*/*") if p.is_file()}
         written.add(self.checkpoint / "metadata")
-        if is_local(self.archive):
-            sink = dict(log_entries(self.archive / METADATA_DIR))
-            for b, entry in sink.items():
-                if self.batch < b <= batch:
-                    written |= {entry, *_batch_files(sink, b)}
         # Hadoop checks a file against its ".<name>.crc" when there is one: sync both.
         written |= {p.with_name(f".{p.name}.crc") for p in written}
         for path in sorted(written):
@@ -86,44 +84,23 @@ class SyncedBatches:
         self.batch = batch
 
 
-def _batch_files(sink: dict[int, Path], batch: int) -> list[Path]:
-    """The data files batch `batch` wrote. A compaction entry lists the whole archive: of
-    those, the files written after the entry before it."""
-    files = sink_files(sink[batch])
-    if sink[batch].suffix != ".compact":
-        return files
-    earlier = [p.stat().st_mtime for b, p in sink.items() if b < batch]
-    since = max(earlier, default=0.0)
-    return [f for f in files if f.stat().st_mtime >= since]
-
-
-def sink_files(entry: Path) -> list[Path]:
-    """The existing data files a sink log entry adds ([] for an entry a cut damaged)."""
-    try:
-        listed = entry_files(entry)
-    except (OSError, ValueError, KeyError):
-        return []
-    return [p for action, p in listed if action != "delete" and p.exists()]
-
-
 @dataclass
 class Repair:
     rolled_back_from: int | None = None
     removed: list[str] = field(default_factory=list)
 
 
-def repair(checkpoint: Path, archive: Path) -> Repair:
-    """Make the checkpoint and sink log startable after a power cut (see the module doc)."""
+def repair(checkpoint: Path) -> Repair:
+    """Make the checkpoint startable after a power cut (see the module doc)."""
     done = Repair()
     if not (is_local(checkpoint) and checkpoint.is_dir()):
         return done
-    synced = SyncedBatches.load(checkpoint, archive).batch
+    synced = SyncedBatches.load(checkpoint).batch
     _repair_metadata(checkpoint, done)
-    sink = archive / METADATA_DIR
-    logs = [checkpoint / "offsets", checkpoint / "commits", sink]
+    logs = [checkpoint / "offsets", checkpoint / "commits"]
     for directory in [*logs, checkpoint / "sources"]:
         _remove_leftovers(directory, synced, done)
-    first_bad = _first_damaged_batch(checkpoint, sink, synced, done)
+    first_bad = _first_damaged_batch(checkpoint, synced)
     if first_bad is not None:
         done.rolled_back_from = first_bad
         for directory in logs:
@@ -167,15 +144,7 @@ def _log_ok(path: Path, min_lines: int) -> bool:
     return True
 
 
-def _parquet_ok(path: Path) -> bool:
-    try:
-        pq.read_table(path)  # footer and every page: a torn file fails somewhere
-    except Exception:
-        return False
-    return True
-
-
-def _first_damaged_batch(checkpoint: Path, sink: Path, synced: int, done: Repair) -> int | None:
+def _first_damaged_batch(checkpoint: Path, synced: int) -> int | None:
     bad: list[int] = []
     for batch, path in log_entries(checkpoint / "offsets"):
         if batch > synced and not _log_ok(path, 3):
@@ -183,18 +152,6 @@ def _first_damaged_batch(checkpoint: Path, sink: Path, synced: int, done: Repair
     for batch, path in log_entries(checkpoint / "commits"):
         if batch > synced and not _log_ok(path, 2):
             bad.append(batch)
-    entries = dict(log_entries(sink))
-    for batch, path in entries.items():
-        if batch <= synced:
-            continue
-        if not _log_ok(path, 1):
-            bad.append(batch)
-            continue
-        for data in _batch_files(entries, batch):
-            _remove(data.with_name(f".{data.name}.crc"), done, quiet=True)
-            if not _parquet_ok(data):
-                _remove(data, done)
-                bad.append(batch)
     return min(bad) if bad else None
 
 

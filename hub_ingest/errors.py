@@ -7,8 +7,9 @@
     ├── ProvisionError       the hub refused a stream configuration
     ├── ReportError          the fleet report could not read what it needs from the hub
     ├── LocalFleetError      a process of the local (demo) fleet did not start
-    └── IngestError          the Spark ingest stopped without archiving what it was asked to
-        └── DataLossError    retention removed messages before the archive had them
+    ├── IngestError          the Spark ingest stopped without archiving what it was asked to
+    │   └── DataLossError    retention removed messages before the archive had them
+    └── ArchiveError         the archive table cannot be read or changed as asked
 
 `retriable` says whether the same call may succeed later without anyone changing anything.
 """
@@ -60,3 +61,7 @@ class DataLossError(IngestError):
             f"(seq {first}..{last}) before they were archived; "
             "set ingest.fail_on_data_loss = false to skip them"
         )
+
+
+class ArchiveError(HubIngestError):
+    """The archive table is missing, moved, or refused a change (compaction, relocation)."""

@@ -41,10 +41,10 @@ def _run(config: HubConfig, args: argparse.Namespace) -> int:
 
 
 async def _audit(config: HubConfig, args: argparse.Namespace) -> int:
-    report = audit_archive(config.ingest.archive)
+    report = audit_archive(config.ingest)
     async with hub_connection(config, name="hub-ingest-audit") as nc:
         js = nc.jetstream(domain=config.nats.domain)
-        streams = await backlog(js, config.ingest.archive, await aggregate_stream_names(js))
+        streams = await backlog(js, config.ingest, await aggregate_stream_names(js))
     report = AuditReport(report.devices, tuple(streams), report.incarnation_changes)
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))

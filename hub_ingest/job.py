@@ -1,12 +1,11 @@
-"""The Spark ingest (``hub-ingest run``): every aggregate stream into a Parquet archive.
+"""The Spark ingest (``hub-ingest run``): every aggregate stream into the archive table.
 
-Exactly once, across crashes and reruns, comes from Spark's checkpoint and file sink: the
-offsets of a batch (sequence ranges, see `hub_ingest.source`) are logged before it runs, a
-re-run batch reads the same ranges again, and the sink's ``_spark_metadata`` log commits each
-batch's files once. Files a killed batch left behind are not in that log, so the archive must
-be read through Spark or the log (`hub_ingest.audit.committed_files`), never by listing.
-Spark never fsyncs either: `hub_ingest.durability` syncs after each batch and repairs what a
-power cut left of the batches after the last sync.
+Exactly once, across kills and reruns: Spark's checkpoint logs the sequence ranges of a
+batch (see `hub_ingest.source`) before it runs, and a re-run batch reads the same ranges
+again; the archive table (`hub_ingest.table`) commits each batch atomically, together with
+the highest sequence of each stream it now holds, and `hub_ingest.sink` writes only the rows
+above it. Spark never fsyncs its checkpoint: `hub_ingest.durability` syncs it after each
+batch and repairs what a power cut left of the batches after the last sync.
 
 ``--once`` runs ``trigger(availableNow=True)``: everything in the streams when it starts, in
 batches of at most ``ingest.max_messages_per_trigger``, then exit (for a systemd timer).
@@ -23,6 +22,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -37,12 +37,13 @@ from hub_ingest.connect import hub_connection
 from hub_ingest.durability import SyncedBatches, repair
 from hub_ingest.errors import ConfigError, DataLossError, IngestError
 from hub_ingest.provision import aggregate_stream_names
+from hub_ingest.sink import BatchCommit, TableSink, ensure_table, remove_unfinished
 from hub_ingest.source import FORMAT, SCHEMA, JetStreamDataSource
+from hub_ingest.table import PARTITION_COLUMN, is_local
 
 log = structlog.get_logger(__name__)
 
 QUERY_NAME = "hub_ingest"
-PARTITION_COLUMN = "date"
 _BASE_COLUMNS = {*(f.split(" ")[0] for f in SCHEMA.split(", ")), "ingested_at", PARTITION_COLUMN}
 # "nats.errors.NoServersError: nats: no servers available": a Python exception line in the
 # trace Spark carries over from the data source.
@@ -60,6 +61,7 @@ class BatchProgress:
 @dataclass(frozen=True, slots=True)
 class IngestSummary:
     batches: tuple[BatchProgress, ...]
+    commits: tuple[BatchCommit, ...]
     seconds: float
 
     @property
@@ -146,15 +148,14 @@ def _payload_schema(ddl: str) -> StructType:
 
 
 def start_query(
-    spark: SparkSession, config: HubConfig, streams: list[str], *, once: bool
+    spark: SparkSession, config: HubConfig, streams: list[str], sink: TableSink, *, once: bool
 ) -> StreamingQuery:
+    rows = archive_rows(spark, config, streams)
+    ensure_table(config.ingest, rows.schema)
     writer = (
-        archive_rows(spark, config, streams)
-        .writeStream.format("parquet")
+        rows.writeStream.foreachBatch(sink)
         .queryName(QUERY_NAME)
-        .option("path", str(config.ingest.archive))
         .option("checkpointLocation", str(config.ingest.checkpoint))
-        .partitionBy(PARTITION_COLUMN)
         .outputMode("append")
     )
     if once:
@@ -175,9 +176,12 @@ def ingest(
     streams = asyncio.run(aggregate_streams(config))
     started = time.monotonic()
     ing = config.ingest
-    repair(ing.checkpoint, ing.archive)  # what a power cut may have left of the last batches
-    synced = SyncedBatches.load(ing.checkpoint, ing.archive)
-    query = start_query(spark, config, streams, once=once)
+    _refuse_parquet_archive(ing.archive)
+    repair(ing.checkpoint)  # what a power cut may have left of the last batches
+    remove_unfinished(ing)
+    synced = SyncedBatches.load(ing.checkpoint)
+    sink = TableSink(ing)
+    query = start_query(spark, config, streams, sink, once=once)
     log.info("ingest_started", streams=streams, once=once, archive=str(config.ingest.archive))
     batches: list[BatchProgress] = []
     last_trigger = ""
@@ -203,9 +207,20 @@ def ingest(
     failure = query.exception()
     if failure is not None:
         raise _translate(failure)
-    summary = IngestSummary(tuple(batches), round(time.monotonic() - started, 3))
+    summary = IngestSummary(
+        tuple(batches), tuple(sink.commits), round(time.monotonic() - started, 3)
+    )
     log.info("ingest_finished", batches=len(batches), rows=summary.rows, seconds=summary.seconds)
     return summary
+
+
+def _refuse_parquet_archive(archive: Path) -> None:
+    if is_local(archive) and (archive / "_spark_metadata").is_dir():
+        raise IngestError(
+            f"ingest.archive ({archive}) holds the plain Parquet archive of an earlier hub-ingest; "
+            "point ingest.archive at a new directory (the old one stays readable with "
+            "spark.read.parquet), see the README's upgrade note"
+        )
 
 
 def run(config: HubConfig, *, once: bool, master: str | None, stop: threading.Event) -> int:

@@ -46,6 +46,7 @@ from pyspark.sql.streaming.datasource import (
 )
 
 from edge_agent.protocol.names import js_api
+from hub_ingest import failpoints
 from hub_ingest.columns import (
     Origin,
     ack_stamps,
@@ -240,6 +241,8 @@ class JetStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         assert isinstance(partition, SeqRange)
+        if partition.first > 1:
+            failpoints.reach("mid_write")
         yield asyncio.run(_read_range(self.options, partition))
 
     def commit(self, end: dict[str, int]) -> None:

@@ -7,10 +7,9 @@ import dataclasses
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.dataset as ds
 from pyspark.sql import SparkSession
 
-from hub_ingest.audit import read_archive
+from hub_ingest import table
 from hub_ingest.config import HubConfig
 from hub_ingest.job import IngestSummary, ingest
 from tests.support.cluster import Hub
@@ -31,10 +30,16 @@ async def run_once(spark: SparkSession, config: HubConfig) -> IngestSummary:
 
 def telemetry(config: HubConfig) -> pa.Table:
     """Archived telemetry rows, sorted by device and device sequence."""
-    table = read_archive(config.ingest.archive, filter=ds.field("subject").isin(["tele.temp"]))
-    assert table is not None, "nothing archived"
-    return table.sort_by([("device_id", "ascending"), ("device_seq", "ascending")])
+    rows = table.read(config.ingest, row_filter="subject = 'tele.temp'")
+    assert rows is not None, "nothing archived"
+    return rows.sort_by([("device_id", "ascending"), ("device_seq", "ascending")])
 
 
 async def aggregate_has(hub: Hub, stream: str, count: int) -> bool:
     return (await hub.js.stream_info(stream)).state.messages >= count
+
+
+def row_count(config: HubConfig) -> int:
+    """Rows in the archive table's current snapshot."""
+    rows = table.read(config.ingest, ["hub_seq"])
+    return 0 if rows is None else rows.num_rows

@@ -1,0 +1,25 @@
+"""Named points where a test can kill the ingest, to prove that a kill there loses nothing.
+
+``HUB_INGEST_FAILPOINT=<name>`` makes the process group receive SIGKILL the first time the
+ingest reaches `<name>`: the driver, the JVM and Spark's Python workers die together, as in
+a power cut or an OOM kill. Unset, `reach` costs one dictionary look-up.
+
+- ``before_write``: a batch is about to be written (its offsets are in the checkpoint);
+- ``mid_write``: an executor starts a partition past a stream's first message (the batch's
+  write job has begun; with several partitions, others may be written);
+- ``before_commit``: the batch's files are written, the table does not list them yet;
+- ``after_commit``: the table lists them, Spark's commit log does not have the batch yet.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+VARIABLE = "HUB_INGEST_FAILPOINT"
+POINTS = ("before_write", "mid_write", "before_commit", "after_commit")
+
+
+def reach(point: str) -> None:
+    if os.environ.get(VARIABLE) == point:
+        os.killpg(os.getpgrp(), signal.SIGKILL)
