@@ -29,7 +29,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from edge_agent.protocol.logs import configure_logging
 from edge_agent.protocol.names import COMMAND_MIRROR, TELEMETRY
-from hub_ingest.audit import read_archive
 from hub_ingest.commands import BROADCAST, ResultReader, describe, event_streams, new_envelope, send
 from hub_ingest.localfleet import LocalDevice, LocalFleet, stop_fleet, stream_messages
 from hub_ingest.registry import Registry

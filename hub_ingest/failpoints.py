@@ -1,8 +1,10 @@
 """Named points where a test can kill the ingest, to prove that a kill there loses nothing.
 
-``HUB_INGEST_FAILPOINT=<name>`` makes the process group receive SIGKILL the first time the
-ingest reaches `<name>`: the driver, the JVM and Spark's Python workers die together, as in
-a power cut or an OOM kill. Unset, `reach` costs one dictionary look-up.
+``HUB_INGEST_FAILPOINT=<name>`` sends SIGKILL to the ingest the first time it reaches
+`<name>`: the driver, the JVM and Spark's Python workers die together, as in a power cut or
+an OOM kill. The ingest must lead its own session (a test starts it so); Spark's Python
+daemon makes its own process group, which is killed with it. Unset, `reach` costs one
+dictionary look-up.
 
 - ``before_write``: a batch is about to be written (its offsets are in the checkpoint);
 - ``mid_write``: an executor starts a partition past a stream's first message (the batch's
@@ -22,4 +24,7 @@ POINTS = ("before_write", "mid_write", "before_commit", "after_commit")
 
 def reach(point: str) -> None:
     if os.environ.get(VARIABLE) == point:
-        os.killpg(os.getpgrp(), signal.SIGKILL)
+        own, session = os.getpgrp(), os.getsid(0)
+        if session != own:  # an executor's Python worker: the driver and the JVM first
+            os.killpg(session, signal.SIGKILL)
+        os.killpg(own, signal.SIGKILL)

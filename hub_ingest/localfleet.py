@@ -120,6 +120,11 @@ max_age = {config.commands.max_age}
 max_sources_per_stream = {config.aggregates.max_sources_per_stream}
 [ingest]
 archive = {json.dumps(str(ing.archive))}
+catalog = {json.dumps(ing.catalog)}
+table = {json.dumps(ing.table)}
+compact_after_run = {json.dumps(ing.compact_after_run)}
+keep_snapshots = {ing.keep_snapshots}
+compact_file_size = {ing.compact_file_size}
 checkpoint = {json.dumps(str(ing.checkpoint))}
 max_messages_per_trigger = {ing.max_messages_per_trigger}
 trigger_interval = {ing.trigger_interval}

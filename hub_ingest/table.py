@@ -23,7 +23,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from types import TracebackType
 from typing import Any
-from urllib.parse import unquote, urlparse
+from urllib.parse import urlparse
 
 import pyarrow as pa
 import pyarrow.dataset as ds
@@ -63,7 +63,7 @@ def location(path: Path) -> str:
     """`path` as a URI (``file:///…`` for a local path)."""
     text = str(path)
     if is_local(text):
-        return path.absolute().as_uri()
+        return f"file://{path.absolute()}"  # not percent-encoded: pyiceberg does not decode
     scheme, _, rest = text.partition(":/")  # Path() folded the URI's "//" into one "/"
     return f"{scheme}://{rest.lstrip('/')}"
 
@@ -71,7 +71,7 @@ def location(path: Path) -> str:
 def local_path(uri: str) -> Path | None:
     """The local path of a ``file:`` URI or plain path; None for a remote store."""
     if uri.startswith("file:"):
-        return Path(unquote(urlparse(uri).path))
+        return Path(urlparse(uri).path)
     return Path(uri) if is_local(uri) else None
 
 

@@ -3,15 +3,22 @@ and files a killed batch left behind are not counted."""
 
 from __future__ import annotations
 
+import datetime
 import json
+import uuid
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from hub_ingest.audit import Gap, audit_archive, committed_files
+from hub_ingest import table
+from hub_ingest.audit import Gap, audit_archive
+from hub_ingest.config import IngestConfig, parse_hub_config
 from hub_ingest.localfleet import write_hub_toml
 from tests.support.cluster import Hub, run_cli
+
+DAY = datetime.date(2026, 11, 20)
 
 
 def _rows(
@@ -31,42 +38,55 @@ def _rows(
             "hub_stream": [stream] * len(seqs),
             "hub_seq": pa.array(range(1, len(seqs) + 1), pa.int64()),
             "payload": pa.array(payloads or [b"{}"] * len(seqs), pa.binary()),
+            "date": pa.array([DAY] * len(seqs), pa.date32()),
         }
     )
 
 
-def _write_archive(archive: Path, *tables: pa.Table) -> list[Path]:
-    """Parquet files committed as batch 0 of a file sink's metadata log, as Spark writes it."""
-    day = archive / "date=2026-11-20"
+def _config(tmp_path: Path) -> IngestConfig:
+    return parse_hub_config({"state_dir": str(tmp_path)}).ingest
+
+
+def _day_dir(config: IngestConfig) -> Path:
+    return config.archive / "data" / f"batch-{uuid.uuid4().hex[:8]}" / f"day={DAY}"
+
+
+def _write_archive(config: IngestConfig, *tables: pa.Table) -> list[Path]:
+    """Parquet files committed to the archive table as one batch, as the ingest does."""
+    day = _day_dir(config)
     day.mkdir(parents=True)
     files = []
-    for i, table in enumerate(tables):
+    for i, rows in enumerate(tables):
         files.append(day / f"part-{i:05d}.snappy.parquet")
-        pq.write_table(table, files[-1])
-    log = archive / "_spark_metadata"
-    log.mkdir()
-    lines = ["v1", *(json.dumps({"path": f.as_uri(), "action": "add"}) for f in files)]
-    (log / "0").write_text("\n".join(lines))
+        pq.write_table(rows, files[-1])
+    archive = table.create_or_evolve(config, tables[0].schema)
+    seqs = {}
+    for rows in tables:
+        for stream in set(rows["hub_stream"].to_pylist()):
+            mine = pc.filter(rows["hub_seq"], pc.equal(rows["hub_stream"], stream))
+            seqs[stream] = max(seqs.get(stream, 0), pc.max(mine).as_py())
+    table.commit(archive, [f"file://{f}" for f in files], seqs, {})
     return files
 
 
 def test_audit_catches_a_planted_duplicate_and_a_planted_gap(tmp_path: Path) -> None:
     """Device a: seq 4 twice, 6..7 missing; b's gap is one its heartbeat reported dropping."""
     beat = json.dumps({"streams": {"TELEMETRY": {"first_seq": 9, "dropped": 4}}}).encode()
+    config = _config(tmp_path)
     _write_archive(
-        tmp_path,
+        config,
         _rows("a", "FLEET_TELEMETRY", [1, 2, 3, 4, 5, 8, 9, 10]),
         _rows("a", "FLEET_TELEMETRY", [4]),
         _rows("b", "FLEET_TELEMETRY", [1, 2, 3, 4, 9, 10]),
         _rows("b", "FLEET_EVENTS", [1], [beat]),
     )
-    # A batch killed mid-write leaves files outside the log, some of them empty.
-    (tmp_path / "date=2026-11-20" / "part-99999.snappy.parquet").write_bytes(b"")
-    pq.write_table(
-        _rows("a", "FLEET_TELEMETRY", [11]), tmp_path / "date=2026-11-20" / "stray.parquet"
-    )
+    # A batch killed mid-write leaves files no snapshot lists, some of them empty.
+    stray = _day_dir(config)
+    stray.mkdir(parents=True)
+    (stray / "part-99999.snappy.parquet").write_bytes(b"")
+    pq.write_table(_rows("a", "FLEET_TELEMETRY", [11]), stray / "stray.parquet")
 
-    report = audit_archive(tmp_path)
+    report = audit_archive(config)
 
     by_key = {(d.device_id, d.hub_stream): d for d in report.devices}
     a = by_key["a", "FLEET_TELEMETRY"]
@@ -77,33 +97,11 @@ def test_audit_catches_a_planted_duplicate_and_a_planted_gap(tmp_path: Path) -> 
     assert b.ok and not a.ok and not report.ok
 
 
-def test_metadata_log_compaction_and_deletes_are_followed(tmp_path: Path) -> None:
-    """Files come from the newest .compact file and the batches after it, minus deletes."""
-    day = tmp_path / "date=2026-11-20"
-    day.mkdir(parents=True)
-    names = ["old", "kept", "new", "gone"]
-    for name in names:
-        pq.write_table(_rows("a", "FLEET_TELEMETRY", [1]), day / f"{name}.parquet")
-    log = tmp_path / "_spark_metadata"
-    log.mkdir()
-
-    def entry(name: str, action: str = "add") -> str:
-        return json.dumps({"path": (day / f"{name}.parquet").as_uri(), "action": action})
-
-    (log / "8").write_text("v1\n" + entry("old"))
-    (log / "9.compact").write_text("v1\n" + entry("kept") + "\n" + entry("gone"))
-    (log / "10").write_text("v1\n" + entry("new") + "\n" + entry("gone", "delete"))
-    (log / ".11.tmp").write_text("v1\n" + entry("old"))
-
-    assert [p.stem for p in committed_files(tmp_path)] == ["kept", "new"]
-
-
 async def test_audit_cli_exit_codes_and_backlog(hub: Hub, tmp_path: Path) -> None:
     """`hub-ingest audit` exits 0 on a clean archive and 1 on a duplicate; --json reports the
     hub messages not archived yet."""
     await hub.register("a")
-    archive = hub.config.ingest.archive
-    _write_archive(archive, _rows("a", "FLEET_TELEMETRY", [1, 2, 3]))
+    _write_archive(hub.config.ingest, _rows("a", "FLEET_TELEMETRY", [1, 2, 3]))
     config = write_hub_toml(hub.config, tmp_path / "hub.toml")
 
     clean = run_cli("hub_ingest", "audit", "--config", str(config), "--json")
@@ -116,14 +114,7 @@ async def test_audit_cli_exit_codes_and_backlog(hub: Hub, tmp_path: Path) -> Non
         "FLEET_TELEMETRY": 0,
     }
 
-    pq.write_table(_rows("a", "FLEET_TELEMETRY", [2]), archive / "date=2026-11-20" / "dup.parquet")
-    log = archive / "_spark_metadata"
-    (log / "1").write_text(
-        "v1\n"
-        + json.dumps(
-            {"path": (archive / "date=2026-11-20" / "dup.parquet").as_uri(), "action": "add"}
-        )
-    )
+    _write_archive(hub.config.ingest, _rows("a", "FLEET_TELEMETRY", [2]))
     dirty = run_cli("hub_ingest", "audit", "--config", str(config))
     assert dirty.returncode == 1
     assert "NOT ok" in dirty.stdout
@@ -136,9 +127,10 @@ def test_audit_checks_each_incarnation_from_its_own_sequence_1(tmp_path: Path) -
     new = _rows("a", "FLEET_TELEMETRY", list(range(1, 26)), incarnation="new")
     new = new.set_column(5, "hub_seq", pa.array(range(21, 46), pa.int64()))
     gappy = _rows("b", "FLEET_TELEMETRY", [1, 2, 4], incarnation="b2")
-    _write_archive(tmp_path, new, old, gappy)
+    config = _config(tmp_path)
+    _write_archive(config, new, old, gappy)
 
-    report = audit_archive(tmp_path)
+    report = audit_archive(config)
 
     by_key = {(d.device_id, d.incarnation): d for d in report.devices}
     assert (by_key["a", "old"].rows, by_key["a", "old"].last_seq) == (20, 20)

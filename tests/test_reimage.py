@@ -103,7 +103,7 @@ async def test_reimaged_device_loses_nothing_and_runs_no_command_twice(
     keys = sorted((r["incarnation"], r["device_seq"], json.loads(r["payload"])["t"]) for r in rows)
     expected = [(old, s, s - 1) for s in range(1, 21)] + [(new, s, s + 19) for s in range(1, 26)]
     assert keys == sorted(expected)
-    report = audit_archive(config.ingest.archive)
+    report = audit_archive(config.ingest)
     assert report.ok, report.to_dict()
     changes = {
         (c.device_id, c.hub_stream, c.previous, c.incarnation) for c in report.incarnation_changes

@@ -105,7 +105,7 @@ async def test_retention_loss_fails_with_a_count_unless_allowed_then_audit_shows
         *range(1, 21),
         *range(27, 31),
     ]
-    report = audit_archive(config.ingest.archive)
+    report = audit_archive(config.ingest)
     (device,) = [d for d in report.devices if d.hub_stream == "FLEET_TELEMETRY"]
     assert device.missing == (Gap(21, 26, explained=False),)
     assert not report.ok
