@@ -1,4 +1,5 @@
-"""``hub-ingest run`` (the Spark ingest) and ``hub-ingest audit`` (is the archive complete?)."""
+"""``hub-ingest run`` (the Spark ingest), ``audit`` (is the archive complete?), and the
+archive table's upkeep: ``compact`` and ``relocate``."""
 
 from __future__ import annotations
 
@@ -7,13 +8,16 @@ import asyncio
 import json
 import signal
 import threading
+from datetime import date
 from pathlib import Path
 from typing import Any
 
+from hub_ingest import maintenance
 from hub_ingest.audit import AuditReport, audit_archive, backlog
 from hub_ingest.config import HubConfig
 from hub_ingest.connect import hub_connection
 from hub_ingest.provision import aggregate_stream_names
+from hub_ingest.table import location as table_location
 
 
 def register(sub: Any) -> None:
@@ -25,7 +29,14 @@ def register(sub: Any) -> None:
     a = sub.add_parser("audit", help="check the archive: duplicates, gaps, unarchived messages")
     a.add_argument("--json", action="store_true")
     a.set_defaults(handler=lambda config, args: asyncio.run(_audit(config, args)))
-    for p in (r, a):
+    c = sub.add_parser("compact", help="rewrite small files into large ones, expire old snapshots")
+    c.add_argument("--date", type=_date, help="only this day (YYYY-MM-DD, UTC)")
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(handler=_compact)
+    m = sub.add_parser("relocate", help="adopt an archive directory that was copied or moved")
+    m.add_argument("--json", action="store_true")
+    m.set_defaults(handler=_relocate)
+    for p in (r, a, c, m):
         # `hub-ingest run --config hub.toml` reads as naturally as `hub-ingest -c hub.toml run`.
         p.add_argument("-c", "--config", type=Path, default=argparse.SUPPRESS)
 
@@ -38,6 +49,41 @@ def _run(config: HubConfig, args: argparse.Namespace) -> int:
     from hub_ingest.job import run  # noqa: PLC0415
 
     return run(config, once=args.once, master=args.master, stop=stop)
+
+
+def _date(text: str) -> date:
+    try:
+        return date.fromisoformat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a date like 2026-11-23, got {text!r}") from None
+
+
+def _compact(config: HubConfig, args: argparse.Namespace) -> int:
+    report = maintenance.compact(config.ingest, args.date)
+    maintenance.expire(config.ingest, report)
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+        return 0
+    for day in report.days:
+        print(
+            f"{day.day}: {day.files_before} files -> {day.files_after} "
+            f"({day.rows} rows, {day.seconds} s)"
+        )
+    print(
+        f"{len(report.days)} days compacted, {report.snapshots_expired} snapshots expired, "
+        f"{report.files_deleted} unlisted files deleted"
+    )
+    return 0
+
+
+def _relocate(config: HubConfig, args: argparse.Namespace) -> int:
+    files = maintenance.relocate(config.ingest)
+    where = table_location(config.ingest.archive)
+    if args.json:
+        print(json.dumps({"table": config.ingest.table, "location": where, "data_files": files}))
+    else:
+        print(f"{config.ingest.table} now reads its {files} data files under {where}")
+    return 0
 
 
 async def _audit(config: HubConfig, args: argparse.Namespace) -> int:

@@ -32,6 +32,7 @@ from pyspark.sql import functions as F
 from pyspark.sql.streaming.query import StreamingQuery
 from pyspark.sql.types import StructType
 
+from hub_ingest import maintenance
 from hub_ingest.config import HubConfig
 from hub_ingest.connect import hub_connection
 from hub_ingest.durability import SyncedBatches, repair
@@ -229,6 +230,8 @@ def run(config: HubConfig, *, once: bool, master: str | None, stop: threading.Ev
         ingest(spark, config, once=once, stop=stop)
     finally:
         spark.stop()
+    if once and config.ingest.compact_after_run:
+        maintenance.expire(config.ingest, maintenance.compact(config.ingest))
     return 0
 
 

@@ -68,7 +68,13 @@ def compact(config: IngestConfig, day: date | None = None) -> MaintenanceReport:
     current = _table(config)
     days = [day] if day is not None else _days_with_small_files(current, config)
     for which in days:
-        done = _compact_day(config, which)
+        try:
+            done = _compact_day(config, which)
+        except (CommitFailedException, ValidationException):
+            raise ArchiveError(
+                f"{which}: the ingest added files to this day during each of 5 attempts to "
+                "compact it; run `hub-ingest compact` again later"
+            ) from None
         if done is not None:
             report.days.append(done)
     return report

@@ -3,9 +3,7 @@ compaction, and from a copy."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -21,7 +19,7 @@ from hub_ingest.config import HubConfig
 from hub_ingest.durability import log_entries
 from hub_ingest.localfleet import write_hub_toml
 from hub_ingest.sink import BATCH
-from tests.support.cluster import Device, Hub, run_cli
+from tests.support.cluster import Device, Hub
 from tests.support.ingest import aggregate_has, ingest_config, run_once
 from tests.support.readers import Key, readers
 from tests.support.waiting import RESUME_TIMEOUT, eventually

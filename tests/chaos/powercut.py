@@ -31,7 +31,6 @@ import sys
 import time
 from pathlib import Path
 
-
 from hub_ingest import table as archive_table
 from hub_ingest.localfleet import Child, write_hub_toml
 from tests.chaos.runner import MARKER, Chaos, Node, Outcome
@@ -167,9 +166,7 @@ class PowerCuts(Chaos):
         once = self._start_ingest("--once")
         code = await asyncio.to_thread(once.wait, 600)
         assert code == 0, f"hub-ingest run --once exited {code}: see {self.root}"
-        table = archive_table.read(
-            self.ingest_config.ingest, ["payload"], "subject = 'tele.chaos'"
-        )
+        table = archive_table.read(self.ingest_config.ingest, ["payload"], "subject = 'tele.chaos'")
         got = [int(p) for p in table.column("payload").to_pylist()] if table else []
         want = set(range(1, self.outcome.produced[DEVICE] + 1))
         self.outcome.archived = len(got)
