@@ -39,6 +39,7 @@ from hub_ingest.table import DATA_DIR, PARTITION_COLUMN
 log = structlog.get_logger(__name__)
 
 COMPACT_PREFIX = "compact-"
+EPOCH = date(1970, 1, 1)
 COMPACTED = "hub-ingest.compacted"  # in a compaction snapshot's summary: the day it rewrote
 RELOCATED = "hub-ingest.relocated-from"  # in a relocated table's first snapshot
 
@@ -99,7 +100,7 @@ def _days_with_small_files(current: Table, config: IngestConfig) -> list[date]:
     count: dict[date, int] = {}
     for task in current.scan().plan_files():
         if _small(task, config):
-            day = task.file.partition[0]
+            day = EPOCH + timedelta(days=task.file.partition[0])  # Iceberg: days since 1970
             count[day] = count.get(day, 0) + 1
     return sorted(d for d, n in count.items() if n > 1)
 
