@@ -6,9 +6,11 @@ mirrors them, for device times). Then, in one run:
 - the ceiling: plain nats-py readers, one process per core, each reading a share of the
   aggregate with batch direct gets and touching every message's subject, headers and data;
 - the job: ``hub-ingest run --once`` in this process (session start included in end to end;
-  steady state is rows over the summed duration of every batch after the first).
+  steady state is rows over the summed duration of every batch after the first), into the
+  archive table: each batch's write and its commit (fsync and table commit) are printed.
 
-Prints peak driver RSS (this Python process and Spark's JVM), then one line of figures.
+Prints peak driver RSS (this Python process and Spark's JVM), the batches, then one line of
+figures.
 Run from the repository root: ``.venv/bin/python bench/ingest.py [--rows N]``.
 """
 
@@ -168,10 +170,17 @@ def main() -> None:
     steady_batches = summary.batches[1:] or summary.batches
     steady = sum(b.rows for b in steady_batches) / sum(b.seconds for b in steady_batches)
     py_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    commits = [c.commit_seconds for c in summary.commits if c.rows] or [0.0]
     print(f"driver_peak_rss_mb python={py_mb:.0f} jvm={jvm_mb:.0f}")
+    for c in summary.commits:
+        print(
+            f"batch {c.batch_id}: {c.rows} rows in {c.files} files, "
+            f"write {c.write_seconds:.2f} s, commit {c.commit_seconds:.3f} s"
+        )
     print(
         f"rows={rows} e2e_rows_per_s={e2e:.0f} steady_rows_per_s={steady:.0f} "
-        f"ceiling_rows_per_s={ceiling_rate:.0f} steady_ratio={steady / ceiling_rate:.2f}"
+        f"ceiling_rows_per_s={ceiling_rate:.0f} steady_ratio={steady / ceiling_rate:.2f} "
+        f"commit_s_mean={sum(commits) / len(commits):.3f} commit_s_max={max(commits):.3f}"
     )
 
 

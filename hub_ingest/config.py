@@ -70,7 +70,7 @@ class IngestConfig:
     """The Spark job that archives the aggregate streams (``hub-ingest run``)."""
 
     archive: Path  # the Iceberg table's location; a local path or a URI (s3://, hdfs://)
-    catalog: str  # the table's catalog: sqlite:///…, postgresql+psycopg://…, or a REST URL
+    catalog: str | None  # sqlite:///…, postgresql+psycopg://…, a REST URL; None: in the archive
     table: str  # the table's name in the catalog: "<namespace>.<name>"
     checkpoint: Path  # Spark's checkpoint: which stream ranges each batch reads
     master: str
@@ -185,7 +185,7 @@ def _parse(data: dict[str, Any], source: Path | None) -> HubConfig:
     archive = ing.get("archive", path, state_dir / "archive")
     ingest = IngestConfig(
         archive=archive,
-        catalog=ing.get("catalog", _catalog_uri, f"sqlite:///{archive.absolute()}/catalog.db"),
+        catalog=ing.get("catalog", _catalog_uri, None),
         table=ing.get("table", _table_name, "hub.archive"),
         checkpoint=ing.get("checkpoint", path, state_dir / "checkpoint"),
         master=ing.get("master", string, "local[*]"),
@@ -200,6 +200,10 @@ def _parse(data: dict[str, Any], source: Path | None) -> HubConfig:
         compact_file_size=ing.get("compact_file_size", parse_size, 256 * 1024**2),
     )
     ing.finish()
+    if ingest.catalog is None and ":/" in str(archive):
+        raise agent_errors.ConfigError(
+            "ingest.catalog", f"required when ingest.archive is not a local path ({archive})"
+        )
     root.finish()
     return HubConfig(nats, commands, aggregates, server, state_dir, ingest, source)
 

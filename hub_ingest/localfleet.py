@@ -120,7 +120,7 @@ max_age = {config.commands.max_age}
 max_sources_per_stream = {config.aggregates.max_sources_per_stream}
 [ingest]
 archive = {json.dumps(str(ing.archive))}
-catalog = {json.dumps(ing.catalog)}
+{f"catalog = {json.dumps(ing.catalog)}" if ing.catalog else ""}
 table = {json.dumps(ing.table)}
 compact_after_run = {json.dumps(ing.compact_after_run)}
 keep_snapshots = {ing.keep_snapshots}

@@ -120,7 +120,7 @@ class SyncedFileIO(PyArrowFileIO):
 
 
 def catalog(config: IngestConfig) -> Catalog:
-    uri = config.catalog
+    uri = config.catalog or f"sqlite:///{config.archive.absolute()}/catalog.db"
     if uri.startswith("sqlite:"):
         # SQLite creates its file, not the directory it sits in.
         file = Path(uri.removeprefix("sqlite:///"))
