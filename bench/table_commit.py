@@ -1,8 +1,8 @@
 """What a batch's commit costs: the archive's Iceberg table (pyiceberg, SQLite catalog, every
 metadata file fsynced) against a Delta table (deltalake) given the same Parquet files.
 
-Each of `--commits` batches adds one small Parquet file (written beforehand, outside the
-timing) and the archived sequence, as the ingest's driver does. Prints the mean commit time
+Each of `--commits` batches loads the table and adds one small Parquet file (written
+beforehand, outside the timing) and the archived sequence, as the ingest's driver does. Prints the mean commit time
 over the first and the last tenth of the commits (growth with the table's history), the
 Iceberg/Delta ratio, then one ``name=value`` line.
 Run from the repository root: ``.venv/bin/python bench/table_commit.py [--commits N]``.
@@ -47,11 +47,14 @@ def _files(root: Path, commits: int) -> list[Path]:
 def iceberg(commits: int) -> list[float]:
     config = parse_hub_config({"state_dir": str(STATE / "iceberg")}).ingest
     files = _files(config.archive, commits)
-    current = table.create_or_evolve(config, pq.read_schema(files[0]))
-    return _timed(
-        commits,
-        lambda i: table.commit(current, [f"file://{files[i]}"], {"FLEET_TELEMETRY": i}, {}),
-    )
+    table.create_or_evolve(config, pq.read_schema(files[0]))
+
+    def commit(i: int) -> None:
+        current = table.load(config)  # as the ingest's driver does for every batch
+        assert current is not None
+        table.commit(current, [f"file://{files[i]}"], {"FLEET_TELEMETRY": i}, {})
+
+    return _timed(commits, commit)
 
 
 def delta(commits: int) -> list[float]:
@@ -59,9 +62,9 @@ def delta(commits: int) -> list[float]:
     files = _files(root, commits)
     schema = pq.read_schema(files[0])
     DeltaTable.create(str(root), schema, partition_by=["date"])
-    dt = DeltaTable(str(root))
 
     def commit(i: int) -> None:
+        dt = DeltaTable(str(root))
         add = AddAction(
             str(files[i].relative_to(root)),
             files[i].stat().st_size,
