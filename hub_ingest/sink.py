@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import pyarrow as pa
 import structlog
@@ -108,14 +108,7 @@ class TableSink:
 
     def _record(self, commit: BatchCommit) -> None:
         self.commits.append(commit)
-        log.info(
-            "batch_committed",
-            batch_id=commit.batch_id,
-            rows=commit.rows,
-            files=commit.files,
-            write_seconds=commit.write_seconds,
-            commit_seconds=commit.commit_seconds,
-        )
+        log.info("batch_committed", **asdict(commit))
 
 
 def _unarchived(done: dict[str, int]) -> Column:
