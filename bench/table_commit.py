@@ -2,9 +2,9 @@
 metadata file fsynced) against a Delta table (deltalake) given the same Parquet files.
 
 Each of `--commits` batches loads the table and adds one small Parquet file (written
-beforehand, outside the timing) and the archived sequence, as the ingest's driver does. Prints the mean commit time
-over the first and the last tenth of the commits (growth with the table's history), the
-Iceberg/Delta ratio, then one ``name=value`` line.
+beforehand, outside the timing) and the archived sequence, as the ingest's driver does.
+Prints the mean commit time over the first and the last tenth of the commits (growth with
+the table's history), the Iceberg/Delta ratio, then one ``name=value`` line.
 Run from the repository root: ``.venv/bin/python bench/table_commit.py [--commits N]``.
 """
 
