@@ -20,7 +20,7 @@ import math
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
-from datetime import date, timedelta
+from datetime import UTC, date, datetime, timedelta
 from typing import Any
 
 import pyarrow.parquet as pq
@@ -173,7 +173,7 @@ def expire(config: IngestConfig, report: MaintenanceReport | None = None) -> Mai
     """Expire snapshots older than ``keep_snapshots``, then delete what only they listed."""
     report = report or MaintenanceReport()
     current = _table(config)
-    cutoff = table.utcnow() - timedelta(seconds=config.keep_snapshots)
+    cutoff = datetime.now(UTC) - timedelta(seconds=config.keep_snapshots)
     before = len(current.snapshots())
     current.maintenance.expire_snapshots().older_than(cutoff).commit()
     current = _table(config)

@@ -226,9 +226,15 @@ def read_files(uris: list[str], columns: list[str]) -> pa.Table:
     """`columns` of the Parquet files `uris` (all in one store)."""
     if not uris:
         return pa.table({})
-    fs, _ = pafs.FileSystem.from_uri(uris[0])
-    paths = [pafs.FileSystem.from_uri(uri)[1] for uri in uris]
+    fs, _ = filesystem(uris[0])
+    paths = [filesystem(uri)[1] for uri in uris]
     return ds.dataset(paths, filesystem=fs, format="parquet").to_table(columns=columns)
+
+
+def filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
+    """The store holding `uri`, and the path of `uri` in it."""
+    fs, path = pafs.FileSystem.from_uri(uri)
+    return fs, path
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,7 +246,7 @@ class ListedFile:
 
 def list_files(uri: str) -> list[ListedFile]:
     """The files under `uri` (recursively, hidden ones and Spark's markers left out)."""
-    fs, root = pafs.FileSystem.from_uri(uri)
+    fs, root = filesystem(uri)
     try:
         infos = fs.get_file_info(pafs.FileSelector(root, recursive=True))
     except FileNotFoundError:
@@ -257,11 +263,6 @@ def list_files(uri: str) -> list[ListedFile]:
     return out
 
 
-def filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
-    fs, path = pafs.FileSystem.from_uri(uri)
-    return fs, path
-
-
 def exists(uri: str) -> bool:
     fs, path = filesystem(uri)
     return bool(fs.get_file_info(path).type == pafs.FileType.File)
@@ -269,7 +270,7 @@ def exists(uri: str) -> bool:
 
 def list_dirs(uri: str) -> list[str]:
     """The directories right under `uri`."""
-    fs, root = pafs.FileSystem.from_uri(uri)
+    fs, root = filesystem(uri)
     try:
         infos = fs.get_file_info(pafs.FileSelector(root))
     except FileNotFoundError:
@@ -279,7 +280,7 @@ def list_dirs(uri: str) -> list[str]:
 
 
 def remove_tree(uri: str) -> None:
-    fs, root = pafs.FileSystem.from_uri(uri)
+    fs, root = filesystem(uri)
     fs.delete_dir(root)
 
 
@@ -290,24 +291,29 @@ def remove_unlisted(table: Table, *, older_than: datetime) -> int:
     live |= set(table.inspect.all_manifests()["path"].to_pylist())
     live |= {s.manifest_list for s in table.snapshots()}
     root = table.location().rstrip("/")
-    doomed = [
+    data = f"{root}/{DATA_DIR}"
+    listed = [*list_files(data), *list_files(f"{root}/metadata")]
+    doomed = {
         f.uri
-        for f in [*list_files(f"{root}/{DATA_DIR}"), *list_files(f"{root}/metadata")]
+        for f in listed
         if f.uri not in live and f.mtime < older_than and not f.uri.endswith(".json")
-    ]
+    }
     for uri in doomed:
         fs, path = filesystem(uri)
         fs.delete_file(path)
-    for directory in list_dirs(f"{root}/{DATA_DIR}"):
+    # The directories under data/ that still hold a file, from the same listing.
+    occupied = {
+        f.uri.removeprefix(f"{data}/").partition("/")[0]
+        for f in listed
+        if f.uri.startswith(f"{data}/") and f.uri not in doomed
+    }
+    for directory in list_dirs(data):
         fs, path = filesystem(directory)
         info = fs.get_file_info(path)
-        if not list_files(directory) and info.mtime is not None and info.mtime < older_than:
+        empty = directory.rsplit("/", 1)[-1] not in occupied
+        if empty and info.mtime is not None and info.mtime < older_than:
             fs.delete_dir(path)  # emptied, or a killed write's leftovers
     return len(doomed)
-
-
-def utcnow() -> datetime:
-    return datetime.now(UTC)
 
 
 def sync_files(uris: list[str]) -> None:
