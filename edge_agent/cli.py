@@ -8,18 +8,26 @@ import json
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
 
 from edge_agent import __version__
 from edge_agent.app import Agent
 from edge_agent.config import DEFAULT_CONFIG_PATH, Config, load_config
-from edge_agent.errors import ConfigError, ProtocolError
+from edge_agent.errors import ConfigError, IslandUnavailable, ProtocolError
 from edge_agent.health import Status, collect_status, render_status, with_drain_rates
-from edge_agent.island import read_seed, render_config, write_config
+from edge_agent.island import (
+    open_link,
+    pid_file,
+    read_seed,
+    render_config,
+    wait_healthy,
+    write_config,
+)
 from edge_agent.outbox import Outbox, check_subject
 from edge_agent.protocol.logs import configure_logging
+from edge_agent.protocol.monitor import Monitor
 from edge_agent.protocol.natsserver import check_version, resolve_nats_server
 from edge_agent.statedb import StateDB
 
@@ -52,6 +60,22 @@ def _parser() -> argparse.ArgumentParser:
     render = sub.add_parser("render-nats-config", help="write the island's nats-server config")
     render.add_argument(
         "-o", "--output", type=Path, help="write here instead of island.config_path ('-': stdout)"
+    )
+    render.add_argument(
+        "--link-closed",
+        action="store_true",
+        help="with the link to the hub disabled until open-link runs (edge-nats.service does "
+        "this on every start)",
+    )
+    opener = sub.add_parser(
+        "open-link",
+        help="once the island is up, make its streams safe to resume and connect it to the hub",
+    )
+    opener.add_argument(
+        "-o", "--output", type=Path, help="the config file the island runs from, if not the default"
+    )
+    opener.add_argument(
+        "--timeout", type=float, default=60.0, help="seconds to wait for the island to be up"
     )
 
     sub.add_parser("check-config", help="load the config and report the first problem")
@@ -161,15 +185,25 @@ def _status(config: Config, as_json: bool, require_link: bool) -> int:
     return EXIT_OK if status.healthy else EXIT_UNHEALTHY
 
 
-def _render(config: Config, output: Path | None) -> int:
+def _render(config: Config, output: Path | None, link_open: bool) -> int:
     if output is None:
-        print(write_config(config))
+        print(write_config(config, link_open=link_open))
     elif str(output) == "-":
         check_version(resolve_nats_server(config.island.nats_server), "island.nats_server")
-        sys.stdout.write(render_config(config))
+        sys.stdout.write(render_config(config, link_open=link_open))
     else:
-        write_config(_with_config_path(config, output))
+        write_config(_with_config_path(config, output), link_open=link_open)
         print(output)
+    return EXIT_OK
+
+
+async def _open_link(config: Config, timeout: float) -> int:
+    await wait_healthy(Monitor(config.island.monitor_url), timeout)
+    try:
+        pid = int(pid_file(config).read_text().strip())
+    except (OSError, ValueError) as exc:
+        raise IslandUnavailable(f"no island pid in {pid_file(config)}: {exc}") from None
+    await open_link(config, pid)
     return EXIT_OK
 
 
@@ -178,17 +212,18 @@ def _with_config_path(config: Config, path: Path) -> Config:
 
 
 def _dispatch(config: Config, args: argparse.Namespace) -> int:
-    if args.command == "run":
-        return _run(config, args.log_level)
-    if args.command == "status":
-        return _status(config, args.json, args.require_link)
-    if args.command == "render-nats-config":
-        return _render(config, args.output)
-    if args.command == "publish":
-        return _publish(config, args.subject, args.data)
-    if args.command == "dead-letter":
-        return _dead_letter(config, args)
-    return _check_config(config, args.config)
+    if args.command == "open-link" and args.output is not None:
+        config = _with_config_path(config, args.output)
+    handlers: dict[str, Callable[[], int]] = {
+        "run": lambda: _run(config, args.log_level),
+        "status": lambda: _status(config, args.json, args.require_link),
+        "render-nats-config": lambda: _render(config, args.output, not args.link_closed),
+        "open-link": lambda: asyncio.run(_open_link(config, args.timeout)),
+        "publish": lambda: _publish(config, args.subject, args.data),
+        "dead-letter": lambda: _dead_letter(config, args),
+        "check-config": lambda: _check_config(config, args.config),
+    }
+    return handlers[args.command]()
 
 
 def _check_config(config: Config, path: Path) -> int:

@@ -19,6 +19,8 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import nats
+import nats.errors
 import structlog
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_exponential_jitter
 
@@ -30,11 +32,12 @@ from edge_agent.errors import (
     StoreDamaged,
     is_retriable,
 )
-from edge_agent.protocol.errors import MonitorUnavailable
+from edge_agent.protocol.errors import MonitorUnavailable, StreamError
 from edge_agent.protocol.monitor import Monitor
 from edge_agent.protocol.natsserver import check_version, resolve_nats_server
 from edge_agent.protocol.tomlconf import render_sync
 from edge_agent.protocol.units import utc_now_iso
+from edge_agent.streams import reset_hub_consumers
 
 log = structlog.get_logger(__name__)
 
@@ -71,10 +74,13 @@ def pid_file(config: Config) -> Path:
     return config.agent.state_dir / "nats-server.pid"
 
 
-def render_config(config: Config) -> str:
-    """The nats-server configuration for this device's island."""
+def render_config(config: Config, *, link_open: bool = True) -> str:
+    """The nats-server configuration for this device's island; with `link_open` false its
+    leaf remote is disabled until `open_link` (see there for why an island starts so)."""
     isl, hub = config.island, config.hub
     remote = [f"urls: {_qlist(hub.urls)}"]
+    if not link_open:
+        remote.append("disabled: true")
     if hub.credentials is not None:
         remote.append(f"nkey: {_q(read_seed(hub.credentials))}")
     if hub.tls is not None:
@@ -120,7 +126,7 @@ leafnodes {{
 """
 
 
-def write_config(config: Config) -> Path:
+def write_config(config: Config, *, link_open: bool = True) -> Path:
     """Render the island config to `island.config_path` and check it with ``nats-server -t``."""
     path = config.island.config_path
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -128,10 +134,44 @@ def write_config(config: Config) -> Path:
     # The file holds the device's NKey seed: readable by its owner only.
     tmp.touch(mode=0o600)
     tmp.chmod(0o600)
-    tmp.write_text(render_config(config), encoding="utf-8")
+    tmp.write_text(render_config(config, link_open=link_open), encoding="utf-8")
     check_config(config.island.nats_server, tmp)
     tmp.replace(path)
     return path
+
+
+async def open_link(config: Config, pid: int) -> None:
+    """Enable the leaf remote of an island started with it disabled, once the consumers the
+    hub's mirrors bind to are reset: the config is rewritten and `pid` reloads it.
+
+    nats-server writes a consumer's state asynchronously (up to ten times a second, never
+    fsynced), so an island that was killed or lost power restarts those consumers from an
+    older delivered position, with the messages after it pending redelivery. A mirror ignores
+    redeliveries, and when the next new message's delivery sequence is the one it expects
+    while its stream sequence has jumped, it records the jump as deleted: a gap at the hub
+    that nothing refills. Reset to its acknowledgement floor, a consumer delivers afresh from
+    a point the hub already holds (the hub ignores what it has), so nothing is skipped.
+    """
+    try:
+        nc = await nats.connect(
+            config.island.client_url,
+            name="edge-agent-open-link",
+            connect_timeout=2,
+            allow_reconnect=False,
+        )
+    except (OSError, nats.errors.Error) as exc:
+        raise IslandUnavailable(f"island at {config.island.client_url}: {exc}") from exc
+    try:
+        reset = await reset_hub_consumers(nc)
+    except (nats.errors.Error, TimeoutError) as exc:
+        raise IslandUnavailable(f"resetting the hub consumers: {exc!r}") from exc
+    except StreamError as exc:
+        raise IslandError(str(exc)) from exc
+    finally:
+        await nc.close()
+    await asyncio.to_thread(write_config, config)
+    os.kill(pid, signal.SIGHUP)
+    log.info("island_link_opened", pid=pid, consumers_reset=reset)
 
 
 def check_config(nats_server: str, path: Path) -> None:
@@ -228,8 +268,6 @@ class Island:
         return self.config.island.supervise == "child"
 
     async def run(self) -> None:
-        if self.child_mode:
-            await asyncio.to_thread(write_config, self.config)
         while True:
             retrying = AsyncRetrying(
                 retry=retry_if_exception(is_retriable),
@@ -253,17 +291,24 @@ class Island:
 
     async def _bring_up(self) -> None:
         if await self.monitor.healthy():
-            return  # already running: external mode, or a child adopted after an agent crash
+            # Already running: external mode, or a child adopted after an agent crash, which
+            # may have come before its link was opened.
+            if self.child_mode and (pid := self._adopted_pid()) is not None:
+                await open_link(self.config, pid)
+            return
         if not self.child_mode:
             raise IslandUnavailable(f"island at {self.monitor.base_url} is not healthy")
+        await asyncio.to_thread(write_config, self.config, link_open=False)
         await self._start_child()
         try:
             await wait_healthy(self.monitor, self._start_timeout, self._proc)
+            assert self._proc is not None
+            await open_link(self.config, self._proc.pid)
         except StoreDamaged as exc:
             await self._stop_child()
             self._set_aside(exc.account, exc.stream)
             raise
-        except IslandUnavailable:
+        except IslandError:
             await self._stop_child()
             raise
 

@@ -18,10 +18,12 @@ consumer died with the old store, keeps what it had and can take nothing new.
 
 from __future__ import annotations
 
+import json
 import secrets
 from collections.abc import Mapping
 
 import structlog
+from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.api import (
     ConsumerConfig,
@@ -124,6 +126,28 @@ async def incarnations(js: JetStreamContext) -> dict[str, str | None]:
             metadata = {}
         found[name] = metadata.get(INCARNATION)
     return found
+
+
+CONSUMER_NOT_FOUND = 10014  # JetStream's err_code
+
+
+async def reset_hub_consumers(nc: Client) -> list[str]:
+    """Reset each consumer a hub mirror binds to back to its acknowledgement floor, as the
+    hub's mirror itself does when it binds (see `edge_agent.island.open_link` for why the
+    island does it first); returns the consumers reset."""
+    reset = []
+    for stream, incarnation in (await incarnations(nc.jetstream())).items():
+        if incarnation is None:
+            continue
+        name = hub_consumer(incarnation)
+        reply = await nc.request(f"$JS.API.CONSUMER.RESET.{stream}.{name}", b"", timeout=5)
+        error = json.loads(reply.data).get("error")
+        if error is None:
+            reset.append(f"{stream}/{name}")
+        elif error.get("err_code") != CONSUMER_NOT_FOUND:
+            why = error.get("description")
+            raise StreamError(f"consumer {stream}/{name}: reset refused: {why}")
+    return reset
 
 
 async def reconcile(js: JetStreamContext, config: Config) -> list[Reconciled]:

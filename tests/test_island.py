@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import signal
@@ -11,10 +12,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+import nats
+
 from edge_agent.app import Agent
 from edge_agent.health import collect_status
 from edge_agent.island import pid_file
-from tests.support.cluster import Hub, run_cli, stream_messages, write_agent_config
+from tests.support.cluster import (
+    NATS_SERVER,
+    Hub,
+    run_cli,
+    stream_messages,
+    write_agent_config,
+)
 from tests.support.waiting import RESUME_TIMEOUT, eventually
 
 
@@ -153,3 +162,48 @@ async def test_a_stream_the_island_cannot_recover_is_set_aside(hub: Hub) -> None
         return any(m.subject == "fleet.a.tele.after" for m in msgs)
 
     await eventually(after_at_hub, timeout=RESUME_TIMEOUT, what="a reading after the repair")
+
+
+async def test_island_started_with_its_link_closed_joins_the_hub_after_open_link(
+    hub: Hub, tmp_path: Path
+) -> None:
+    """What edge-nats.service does on every start: the island comes up with its link to the
+    hub disabled, serves local producers, and `edge-agent open-link` resets the consumers the
+    hub reads through and opens the link; the hub then has everything, without a gap."""
+    a = await hub.device("a", register_when_ready=True)
+    for i in range(5):
+        await a.js.publish("tele.temp", f"r{i}".encode())
+    mirror = await hub.mirror("a")
+    await eventually(lambda: _mirrored(hub, mirror, 5), timeout=RESUME_TIMEOUT, what="5 at hub")
+    await a.stop()  # the agent and its child island stop; the store stays
+    config_path = write_agent_config(a, tmp_path / "agent.toml")
+    island_conf = tmp_path / "island.conf"
+
+    rendered = run_cli(
+        "edge_agent", "-c", str(config_path), "render-nats-config", "--link-closed",
+        "-o", str(island_conf),
+    )  # fmt: skip
+    assert rendered.returncode == 0, rendered.stderr
+    assert "disabled: true" in island_conf.read_text()
+    island = subprocess.Popen([NATS_SERVER, "-c", str(island_conf)], stderr=subprocess.DEVNULL)
+    try:
+        local = await nats.connect(a.config.island.client_url, max_reconnect_attempts=-1)
+        js = local.jetstream()
+        for i in range(5, 10):
+            await eventually(functools.partial(js.publish, "tele.temp", b"r%d" % i), timeout=30)
+        opened = await asyncio.to_thread(
+            run_cli, "edge_agent", "-c", str(config_path), "open-link", "-o", str(island_conf)
+        )
+        assert opened.returncode == 0, opened.stderr
+        assert "disabled" not in island_conf.read_text()
+        await eventually(lambda: _mirrored(hub, mirror, 10), timeout=RESUME_TIMEOUT, what="10")
+        state = (await hub.js.stream_info(mirror)).state
+        assert (state.first_seq, state.last_seq, state.num_deleted or 0) == (1, 10, 0)
+        await local.close()
+    finally:
+        island.terminate()
+        await asyncio.to_thread(island.wait, 30)
+
+
+async def _mirrored(hub: Hub, mirror: str, count: int) -> bool:
+    return (await hub.js.stream_info(mirror)).state.messages >= count

@@ -96,5 +96,6 @@ def test_island_unit_stops_in_lame_duck_mode_within_its_timeout() -> None:
     values = dict(_settings("edge-nats.service"))
     assert values["KillSignal"] == "SIGUSR2"
     assert int(values["TimeoutStopSec"].removesuffix("s")) > 130
-    assert "render-nats-config" in values["ExecStartPre"]
+    assert "render-nats-config --link-closed" in values["ExecStartPre"]
+    assert "open-link" in values["ExecStartPost"]
     assert values["ExecStart"].split()[0].endswith("/nats-server")
