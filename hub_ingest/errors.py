@@ -4,6 +4,7 @@
     ├── ConfigError          bad or missing hub configuration (CLI exit code 2)
     ├── HubUnreachableError  the hub refused the connection or did not answer
     ├── RegistryError        the device registry refused a change (unknown or duplicate device)
+    │   └── EnrolmentError   a device asked for cannot be enrolled as asked (names its line)
     ├── ProvisionError       the hub refused a stream configuration
     ├── ReportError          the fleet report could not read what it needs from the hub
     ├── LocalFleetError      a process of the local (demo) fleet did not start
@@ -33,6 +34,15 @@ class HubUnreachableError(HubIngestError):
 
 class RegistryError(HubIngestError):
     """A registry change cannot be made as asked."""
+
+
+class EnrolmentError(RegistryError):
+    """A device in an enrolment request is malformed or conflicts with the registry."""
+
+    def __init__(self, source: str, line: int, device_id: str, reason: str) -> None:
+        self.source, self.line, self.device_id, self.reason = source, line, device_id, reason
+        where = source if line == 0 else f"{source} line {line}"
+        super().__init__(f"{where}: device {device_id!r}: {reason}; nothing was enrolled")
 
 
 class ProvisionError(HubIngestError):

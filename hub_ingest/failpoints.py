@@ -11,6 +11,9 @@ dictionary look-up.
   write job has begun; with several partitions, others may be written);
 - ``before_commit``: the batch's files are written, the table does not list them yet;
 - ``after_commit``: the table lists them, Spark's commit log does not have the batch yet.
+
+And in ``device add --from`` (`ENROL_POINTS`), ``mid_enrol``: half the new devices are in the
+registry, the users file and the streams are not updated yet.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import signal
 
 VARIABLE = "HUB_INGEST_FAILPOINT"
 POINTS = ("before_write", "mid_write", "before_commit", "after_commit")
+ENROL_POINTS = ("mid_enrol",)
 
 
 def reach(point: str) -> None:

@@ -10,8 +10,10 @@ first (`hub_ingest.incarnations` records them): the hub keeps one mirror per inc
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -74,6 +76,17 @@ class Device:
         return cls(**fields, incarnations=tuple(Incarnation(**i) for i in seen))
 
 
+def assign_shards(existing: Iterable[Device], count: int, max_per_shard: int) -> list[int]:
+    """Shards for `count` new devices, in order: each goes to the lowest shard with room."""
+    load = Counter(d.shard for d in existing)
+    shards = []
+    for _ in range(count):
+        shard = next(i for i in itertools.count() if load[i] < max_per_shard)
+        load[shard] += 1
+        shards.append(shard)
+    return shards
+
+
 class Registry:
     def __init__(self, kv: KeyValue) -> None:
         self._kv = kv
@@ -114,13 +127,15 @@ class Registry:
         holder = next((d for d in existing if d.nkey == nkey), None)
         if holder is not None:
             raise RegistryError(f"key {nkey} is already used by device {holder.device_id!r}")
-        load = Counter(d.shard for d in existing)
-        shard = next(i for i in range(len(existing) + 1) if load[i] < max_per_shard)
-        device = Device(device_id, domain, shard, utc_now_iso(), nkey)
+        (shard,) = assign_shards(existing, 1, max_per_shard)
+        return await self.create(Device(device_id, domain, shard, utc_now_iso(), nkey))
+
+    async def create(self, device: Device) -> Device:
+        """Store a new `device` as it is (see `assign_shards`); refused if its id is taken."""
         try:
-            await self._kv.create(device_id, device.to_json())
+            await self._kv.create(device.device_id, device.to_json())
         except KeyWrongLastSequenceError:
-            raise RegistryError(f"device {device_id!r} is already registered") from None
+            raise RegistryError(f"device {device.device_id!r} is already registered") from None
         return device
 
     async def add_incarnation(self, device_id: str, incarnation: Incarnation) -> Device:

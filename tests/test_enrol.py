@@ -1,0 +1,209 @@
+"""``hub-ingest device add --from``: many devices, one users-file write, one reload, one
+provisioning pass; resumable after a crash; conflicts refused before anything changes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from hub_ingest import failpoints
+from hub_ingest.auth import new_seed, public_key
+from hub_ingest.enrol import Enrolment, parse_line, read_enrolments, valid_public_key
+from hub_ingest.errors import EnrolmentError
+from hub_ingest.localfleet import write_hub_toml
+from hub_ingest.provision import stream_names
+from hub_ingest.registry import Registry
+from tests.support.cluster import Hub
+
+RELOADED = "Reloaded server configuration"
+
+
+@dataclass(frozen=True)
+class Run:
+    code: int
+    stdout: str
+    stderr: str
+
+
+async def _cli(
+    hub: Hub,
+    tmp_path: Path,
+    *args: str,
+    stdin: str | None = None,
+    env: dict[str, str] | None = None,
+) -> Run:
+    """The real CLI in its own session (a fail point kills its process group only)."""
+    config = write_hub_toml(hub.config, tmp_path / "hub.toml")
+
+    def run() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "hub_ingest", "-c", str(config), *args],
+            input=stdin,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+            start_new_session=True,
+            env={**os.environ, **(env or {})},
+        )
+
+    done = await asyncio.to_thread(run)
+    return Run(done.returncode, done.stdout, done.stderr)
+
+
+def _reloads(hub: Hub) -> int:
+    return hub.server.log_path.read_text(errors="replace").count(RELOADED)
+
+
+def _key() -> str:
+    return public_key(new_seed())
+
+
+async def _registered(hub: Hub) -> dict[str, str]:
+    return {d.device_id: d.nkey for d in await (await Registry.open(hub.js)).list()}
+
+
+async def test_bulk_add_enrols_a_file_with_one_reload(hub: Hub, tmp_path: Path) -> None:
+    """30 devices (25 with hub-made keys, 5 with their own) from one file: one reload, seeds
+    0600, every device's streams, progress on stderr and a JSON summary alone on stdout."""
+    own = {f"own-{i}": _key() for i in range(5)}
+    lines = ["id,public_key", "# the north depot", ""]
+    lines += [f"truck-{i:02d}" for i in range(25)]
+    lines += [f"{device},{key}  # bought with a TPM" for device, key in own.items()]
+    devices = tmp_path / "devices.csv"
+    devices.write_text("\n".join(lines) + "\n")
+    before = _reloads(hub)
+
+    run = await _cli(hub, tmp_path, "device", "add", "--from", str(devices), "--json")
+
+    assert run.code == 0, run.stderr
+    assert _reloads(hub) == before + 1
+    summary = json.loads(run.stdout)
+    assert len(summary["enrolled"]) == 30 and summary["already_present"] == []
+    assert summary["seeds_written"] == 25 and summary["reloaded"] is True
+    registered = await _registered(hub)
+    assert len(registered) == 30
+    for entry in summary["enrolled"]:
+        device = entry["device_id"]
+        if device in own:
+            assert entry["seed_file"] is None and registered[device] == own[device]
+            continue
+        seed = Path(entry["seed_file"])
+        assert seed == Path(summary["seeds_dir"]) / f"{device}.nk"
+        assert seed.stat().st_mode & 0o777 == 0o600
+        assert public_key(seed.read_text().strip()) == registered[device] == entry["nkey"]
+    names = set(await stream_names(hub.js))
+    assert {f"CMD_{device}" for device in registered} <= names
+    progress = [line for line in run.stderr.splitlines() if line.startswith("enrol: ")]
+    assert progress == [
+        f"enrol: read 30 devices from {devices}",
+        "enrol: planned 30/30",
+        "enrol: registered 30/30",
+        "enrol: auth_written 30/30",
+        "enrol: reloaded 1/1",
+        progress[-1],
+    ]
+    assert progress[-1].startswith("enrol: provisioned ")
+    listing = await _cli(hub, tmp_path, "device", "list", "--json")
+    assert sorted(d["device_id"] for d in json.loads(listing.stdout)) == sorted(registered)
+
+
+async def test_bulk_add_finishes_a_batch_cut_short_by_a_crash(hub: Hub, tmp_path: Path) -> None:
+    """Killed -9 half-way through registering, the same file run again enrols only the missing
+    devices, keeps the keys (and seed files) of those already registered, reloads once."""
+    await hub.register("a")
+    seed_a = (hub.seed_file("a")).read_text()
+    batch = "\n".join(["a", *(f"d{i}" for i in range(10))]) + "\n"
+    killed = await _cli(
+        hub,
+        tmp_path,
+        "device",
+        "add",
+        "--from",
+        "-",
+        stdin=batch,
+        env={failpoints.VARIABLE: "mid_enrol"},
+    )
+    assert killed.code == -signal.SIGKILL, killed.stderr
+    half = await _registered(hub)
+    assert sorted(half) == ["a", *(f"d{i}" for i in range(5))]
+    before = _reloads(hub)
+
+    run = await _cli(hub, tmp_path, "device", "add", "--from", "-", "--json", stdin=batch)
+
+    assert run.code == 0, run.stderr
+    summary = json.loads(run.stdout)
+    assert [e["device_id"] for e in summary["enrolled"]] == [f"d{i}" for i in range(5, 10)]
+    assert summary["already_present"] == ["a", *(f"d{i}" for i in range(5))]
+    after = await _registered(hub)
+    assert {d: after[d] for d in half} == half
+    assert hub.seed_file("a").read_text() == seed_a
+    assert _reloads(hub) == before + 1
+    # Every device, old and new, is in the users file the server now runs with.
+    users = hub.config.server.auth_file.read_text()
+    assert all(key in users for key in after.values())
+
+    again = await _cli(hub, tmp_path, "device", "add", "--from", "-", stdin=batch)
+    assert again.code == 0, again.stderr
+    assert again.stdout.startswith("enrolled 0, already present 11; seeds written: 0")
+    assert await _registered(hub) == after
+
+
+@pytest.mark.parametrize(
+    ("line", "reason"),
+    [
+        ("a,{other}", "differs from the registered key"),
+        ("bad.id", "device id: expected letters"),
+        ("y,UNOTAKEY", "is not a NATS user public key"),
+        ("x", "already asked for on line 1"),
+        ("y,{key_a}", "is already used by device 'a'"),
+    ],
+)
+async def test_bulk_add_refuses_a_bad_line_before_changing_anything(
+    hub: Hub, tmp_path: Path, line: str, reason: str
+) -> None:
+    """A line that cannot be done as asked is named (line and id) and nothing changes: no
+    device registered, no users file written, no reload."""
+    await hub.register("a")
+    registered = await _registered(hub)
+    users = hub.config.server.auth_file.read_text()
+    before = _reloads(hub)
+    bad = line.format(other=_key(), key_a=registered["a"])
+    devices = tmp_path / "devices.txt"
+    devices.write_text(f"x\n# comment\n{bad}\nz\n")
+
+    run = await _cli(hub, tmp_path, "device", "add", "--from", str(devices))
+
+    assert run.code == 1, run.stdout + run.stderr
+    device = bad.split(",")[0]
+    assert f"{devices} line 3: device {device!r}: " in run.stderr and reason in run.stderr
+    assert "nothing was enrolled" in run.stderr
+    assert await _registered(hub) == registered
+    assert hub.config.server.auth_file.read_text() == users
+    assert _reloads(hub) == before
+    assert run.stdout == ""
+
+
+def test_enrolment_lines_ids_keys_comments_and_header() -> None:
+    """What a ``--from`` line may hold: an id, an id and a key, comments, a CSV header."""
+    key = _key()
+    assert valid_public_key(key)
+    assert not valid_public_key(key[:-1] + ("A" if key[-1] != "A" else "B"))
+    assert not valid_public_key("S" + key[1:])
+    text = ["ID,Public_Key", "", "  # all of depot 4", f"a, {key} # own key", "b,", "c  "]
+    assert read_enrolments(text, "f") == [
+        Enrolment("a", key, 4),
+        Enrolment("b", None, 5),
+        Enrolment("c", None, 6),
+    ]
+    assert parse_line("#", 1, "f") is None
+    with pytest.raises(EnrolmentError, match=r"^f line 2: device 'a': expected ID or ID,PUB"):
+        parse_line("a,b,c", 2, "f")
