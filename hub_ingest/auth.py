@@ -39,7 +39,7 @@ from edge_agent.protocol.names import (
     to_device_prefix,
     to_hub_prefix,
 )
-from hub_ingest.config import HubConfig
+from hub_ingest.config import HubConfig, ServerConfig
 from hub_ingest.errors import HubIngestError, HubUnreachableError
 from hub_ingest.registry import Device
 
@@ -129,15 +129,25 @@ def write_auth(config: HubConfig, devices: Iterable[Device]) -> Path:
 
 
 async def reload_server(config: HubConfig, timeout: float = 30.0) -> bool:
-    """Ask the local hub server to re-read its config; False if it does not run here.
+    """Ask each hub server running on this machine (its pid file is here) to re-read its
+    config; False if none does. The other nodes of a cluster re-read theirs when their own
+    ``hub-ingest watch`` sees the registry change."""
+    reloaded = [await _reload(server, timeout) for server in config.servers]
+    return any(reloaded)
 
-    A reload under load can take well over 10 s (nats-server issue #4630; CI saw one miss a
+
+async def _reload(server: ServerConfig, timeout: float) -> bool:
+    """A reload under load can take well over 10 s (nats-server issue #4630; CI saw one miss a
     10 s deadline), hence the generous `timeout`."""
     try:
-        pid = int(config.server.pid_file.read_text().strip())
+        pid = int(server.pid_file.read_text().strip())
     except (OSError, ValueError):
         return False
-    monitor = Monitor(f"http://{config.server.monitor_listen}")
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False  # a node that is down reads the file when it starts
+    monitor = Monitor(f"http://{server.monitor_listen}")
     try:
         before = (await monitor.get("/varz")).get("config_load_time")
         try:
@@ -148,12 +158,13 @@ async def reload_server(config: HubConfig, timeout: float = 30.0) -> bool:
         while (await monitor.get("/varz")).get("config_load_time") == before:
             if time.monotonic() > deadline:
                 raise HubIngestError(
-                    f"hub nats-server (pid {pid}) did not reload within {timeout}s"
+                    f"hub nats-server {server.server_name} (pid {pid}) did not reload "
+                    f"within {timeout}s"
                 )
             await asyncio.sleep(0.05)
     except MonitorUnavailable as exc:
         raise HubUnreachableError(
-            f"cannot reload the hub's nats-server (pid {pid}): its monitoring endpoint "
-            f"server.monitor_listen = {config.server.monitor_listen} does not answer ({exc})"
+            f"cannot reload the hub's nats-server {server.server_name} (pid {pid}): its "
+            f"monitoring endpoint {server.monitor_listen} does not answer ({exc})"
         ) from None
     return True

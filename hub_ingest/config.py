@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +66,32 @@ class ServerConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class NodeConfig:
+    """One nats-server of a clustered hub: ``[server]`` with this node's own values."""
+
+    name: str
+    route: str  # nats-route://host:port, where the other nodes reach this one
+    cluster_listen: str
+    server: ServerConfig
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    """A hub of several nats-servers in one JetStream cluster and domain (``[cluster]``)."""
+
+    name: str
+    replicas: int  # of every hub stream
+    nodes: tuple[NodeConfig, ...]
+
+    def node(self, name: str) -> NodeConfig:
+        for node in self.nodes:
+            if node.name == name:
+                return node
+        names = ", ".join(n.name for n in self.nodes)
+        raise ConfigError(f"no node {name!r} in [cluster] (its nodes: {names})")
+
+
+@dataclass(frozen=True, slots=True)
 class IngestConfig:
     """The Spark job that archives the aggregate streams (``hub-ingest run``)."""
 
@@ -95,6 +121,29 @@ class HubConfig:
     state_dir: Path
     ingest: IngestConfig
     source: Path | None = None
+    cluster: ClusterConfig | None = None
+
+    @property
+    def replicas(self) -> int:
+        """How many copies of each hub stream the hub keeps."""
+        return self.cluster.replicas if self.cluster else 1
+
+    @property
+    def servers(self) -> tuple[ServerConfig, ...]:
+        """Every nats-server of the hub: the cluster's nodes, or the one server."""
+        return tuple(n.server for n in self.cluster.nodes) if self.cluster else (self.server,)
+
+    def for_node(self, name: str | None) -> HubConfig:
+        """This config as seen by node `name` (its ``server`` is that node's); a hub without
+        a cluster has one server and takes no node name."""
+        if self.cluster is None:
+            if name is not None:
+                raise ConfigError(f"--node {name}: the hub config has no [cluster]")
+            return self
+        if name is None:
+            names = ", ".join(n.name for n in self.cluster.nodes)
+            raise ConfigError(f"the hub is a cluster: name the node with --node ({names})")
+        return replace(self, server=self.cluster.node(name).server)
 
 
 def _listen(value: object) -> str:
@@ -156,23 +205,11 @@ def _parse(data: dict[str, Any], source: Path | None) -> HubConfig:
     )
     agg_sec.finish()
 
-    srv = root.table("server")
-    server = ServerConfig(
-        server_name=srv.get("server_name", identifier, "hub"),
-        listen=srv.get("listen", _listen, "127.0.0.1:4222"),
-        monitor_listen=srv.get("monitor_listen", _listen, "127.0.0.1:8222"),
-        leaf_listen=srv.get("leaf_listen", _listen, "0.0.0.0:7422"),
-        leaf_compression=srv.get("leaf_compression", compression, "s2_auto"),
-        store_dir=srv.get("store_dir", path, state_dir / "jetstream"),
-        # Explicit: nats-server would otherwise take 75% of the disk free at start-up.
-        max_file_store=srv.get("max_file_store", parse_size, 10 * 1024**3),
-        max_memory_store=srv.get("max_memory_store", parse_size, 256 * 1024**2),
-        sync=srv.get("sync", sync_policy, None),
-        config_file=srv.get("config_file", path, state_dir / "nats-server.conf"),
-        auth_file=srv.get("auth_file", path, state_dir / "auth.conf"),
-        pid_file=srv.get("pid_file", path, state_dir / "nats-server.pid"),
-    )
-    srv.finish()
+    server_data = root.get("server", _table, {})
+    server = _server(Section(server_data, "server"), state_dir, state_dir)
+    cluster = None
+    if root.has("cluster"):
+        cluster = _cluster(root.table("cluster"), server_data, state_dir)
     if commands.max_bytes >= server.max_file_store:
         # JetStream reserves a stream's max_bytes: nothing would be left for the fleet.
         raise agent_errors.ConfigError(
@@ -205,7 +242,94 @@ def _parse(data: dict[str, Any], source: Path | None) -> HubConfig:
             "ingest.catalog", f"required when ingest.archive is not a local path ({archive})"
         )
     root.finish()
-    return HubConfig(nats, commands, aggregates, server, state_dir, ingest, source)
+    return HubConfig(nats, commands, aggregates, server, state_dir, ingest, source, cluster)
+
+
+def _table(value: object) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a table, got {value!r}")
+    return value
+
+
+def _server(srv: Section, state_dir: Path, home: Path) -> ServerConfig:
+    """``[server]``; a cluster node's files default to under `home` (``<state_dir>/<node>``)."""
+    server = ServerConfig(
+        server_name=srv.get("server_name", identifier, "hub"),
+        listen=srv.get("listen", _listen, "127.0.0.1:4222"),
+        monitor_listen=srv.get("monitor_listen", _listen, "127.0.0.1:8222"),
+        leaf_listen=srv.get("leaf_listen", _listen, "0.0.0.0:7422"),
+        leaf_compression=srv.get("leaf_compression", compression, "s2_auto"),
+        store_dir=srv.get("store_dir", path, home / "jetstream"),
+        # Explicit: nats-server would otherwise take 75% of the disk free at start-up.
+        max_file_store=srv.get("max_file_store", parse_size, 10 * 1024**3),
+        max_memory_store=srv.get("max_memory_store", parse_size, 256 * 1024**2),
+        sync=srv.get("sync", sync_policy, None),
+        config_file=srv.get("config_file", path, home / "nats-server.conf"),
+        auth_file=srv.get("auth_file", path, state_dir / "auth.conf"),
+        pid_file=srv.get("pid_file", path, home / "nats-server.pid"),
+    )
+    srv.finish()
+    return server
+
+
+# What a cluster node may set for itself; everything else of [server] is the cluster's.
+_NODE_KEYS = ("listen", "monitor_listen", "leaf_listen", "store_dir", "config_file", "pid_file")
+MAX_REPLICAS = 5  # JetStream's limit
+
+
+def _cluster(section: Section, server_data: dict[str, Any], state_dir: Path) -> ClusterConfig:
+    name = section.get("name", identifier, "hub")
+    raw_nodes = section.get("nodes", _node_tables)
+    nodes = tuple(
+        _node(Section(raw, f"cluster.nodes[{i}]"), server_data, state_dir)
+        for i, raw in enumerate(raw_nodes)
+    )
+    names = [n.name for n in nodes]
+    if len(set(names)) != len(names):
+        raise agent_errors.ConfigError("cluster.nodes", f"node names must differ: {names}")
+    replicas = section.get("replicas", positive_int, min(3, len(nodes)))
+    if replicas > min(MAX_REPLICAS, len(nodes)):
+        raise agent_errors.ConfigError(
+            "cluster.replicas",
+            f"{replicas} is more than the {len(nodes)} nodes (or JetStream's {MAX_REPLICAS})",
+        )
+    section.finish()
+    return ClusterConfig(name, replicas, nodes)
+
+
+def _node_tables(value: object) -> list[dict[str, Any]]:
+    if not isinstance(value, list) or not value or not all(isinstance(v, dict) for v in value):
+        raise ValueError("expected [[cluster.nodes]] tables, one per nats-server")
+    return value
+
+
+def _node(sec: Section, server_data: dict[str, Any], state_dir: Path) -> NodeConfig:
+    name = sec.get("name", identifier)
+    route = sec.get("route", _route)
+    port = route.rsplit(":", 1)[1]
+    cluster_listen = sec.get("cluster_listen", _listen, f"0.0.0.0:{port}")
+    own = {key: sec.get(key, _raw, None) for key in _NODE_KEYS}
+    sec.finish()
+    if "server_name" in server_data:
+        raise agent_errors.ConfigError(
+            "server.server_name", "a cluster's nodes are named in [[cluster.nodes]]"
+        )
+    data = {**server_data, **{k: v for k, v in own.items() if v is not None}, "server_name": name}
+    server = _server(Section(data, f"cluster.nodes[{name}]"), state_dir, state_dir / name)
+    return NodeConfig(name, route, cluster_listen, server)
+
+
+def _raw(value: object) -> object:
+    return value
+
+
+def _route(value: object) -> str:
+    url = string(value)
+    scheme, sep, rest = url.partition("://")
+    if scheme != "nats-route" or not sep:
+        raise ValueError(f'expected "nats-route://HOST:PORT", got {url!r}')
+    host_port(rest, loopback=False)
+    return url
 
 
 def parse_hub_config(data: dict[str, Any], source: Path | None = None) -> HubConfig:

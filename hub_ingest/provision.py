@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -50,7 +51,7 @@ from edge_agent.protocol.names import (
 from edge_agent.protocol.reconcile import Reconciled, mirror_consumer, reconcile_stream
 from hub_ingest.config import HubConfig
 from hub_ingest.errors import ProvisionError
-from hub_ingest.registry import Device, Incarnation, Registry
+from hub_ingest.registry import BUCKET, Device, Incarnation, Registry
 
 log = structlog.get_logger(__name__)
 
@@ -60,6 +61,7 @@ MANAGED_BY = {"managed-by": "hub-ingest"}
 # `to_device_prefix`). Another stream listening on any of them would store fleet messages a
 # second time, or take them from the streams that should have them.
 _ROUNDS = 5  # of provisioning, while the registry changes under it
+REGISTRY_STREAM = f"KV_{BUCKET}"
 FLEET_SUBJECTS = ("cmd.>", "fleet.>", "tele.>", "evt.>", "hubin.>", "devin.>")
 
 
@@ -122,6 +124,7 @@ def device_mirror(config: HubConfig, device: Device, incarnation: Incarnation) -
         ),
         allow_direct=True,
         metadata=mirror_metadata(device.device_id, incarnation),
+        num_replicas=config.replicas,
     )
 
 
@@ -149,6 +152,7 @@ def device_commands(config: HubConfig, device: Device) -> StreamConfig:
             **MANAGED_BY,
             **{fence_key(i.id): str(i.command_fence) for i in device.incarnations},
         },
+        num_replicas=config.replicas,
     )
 
 
@@ -198,6 +202,7 @@ def commands_stream(config: HubConfig) -> StreamConfig:
         duplicate_window=600.0,
         allow_direct=True,
         metadata=MANAGED_BY,
+        num_replicas=config.replicas,
     )
 
 
@@ -227,9 +232,20 @@ def aggregate_streams(
                     duplicate_window=120.0,
                     allow_direct=True,
                     metadata=MANAGED_BY,
+                    num_replicas=config.replicas,
                 )
             )
     return streams
+
+
+async def _registry_replicas(js: JetStreamContext, replicas: int) -> Reconciled:
+    """The registry's bucket (made by `Registry.open` with the server's default of one
+    replica) kept as many times as the hub's streams."""
+    have = (await js.stream_info(REGISTRY_STREAM)).config
+    if have.num_replicas == replicas:
+        return Reconciled(REGISTRY_STREAM, "unchanged")
+    await js.update_stream(dataclasses.replace(have, num_replicas=replicas))
+    return Reconciled(REGISTRY_STREAM, "updated", ("num_replicas",))
 
 
 async def stream_names(js: JetStreamContext) -> list[str]:
@@ -336,7 +352,8 @@ async def _provision_once(
     shards = {shard for name in await stream_names(js) for shard in _shard_of(name)}
     mirrors = [m for d in devices for m in device_mirrors(config, d)]
     try:
-        results = [await reconcile_stream(js, commands_stream(config))]
+        results = [await _registry_replicas(js, config.replicas)]
+        results.append(await reconcile_stream(js, commands_stream(config)))
         results += [await provision_commands(js, config, d) for d in devices]
         for want in [*mirrors, *aggregate_streams(config, devices, shards)]:
             results.append(await reconcile_stream(js, want))

@@ -46,6 +46,7 @@ def register(sub: Any) -> None:
     r.add_argument(
         "-o", "--output", type=Path, help="write here instead of server.config_file ('-': stdout)"
     )
+    r.add_argument("--node", help="the cluster node to render (its name in [[cluster.nodes]])")
     r.add_argument(
         "--nats-server",
         default="nats-server",
@@ -79,6 +80,7 @@ async def _watch(config: HubConfig) -> int:
 
 
 def _render(config: HubConfig, args: argparse.Namespace) -> int:
+    config = config.for_node(args.node)
     try:
         check_version(resolve_nats_server(args.nats_server, "--nats-server"), "--nats-server")
     except protocol.ConfigError as exc:

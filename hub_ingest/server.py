@@ -15,6 +15,7 @@ from hub_ingest.config import HubConfig
 
 
 def render_server_config(config: HubConfig, config_file: Path | None = None) -> str:
+    """The config of `config.server`: for a cluster, pass `HubConfig.for_node`'s view."""
     srv = config.server
     where = (config_file or srv.config_file).resolve().parent
     # nats-server resolves includes relative to the including file.
@@ -41,6 +42,22 @@ leafnodes {{
   compression: {json.dumps(srv.leaf_compression)}
   # Devices dial the URLs in their own config (a load balancer, a NAT address); without
   # this the hub gossips its internal listen address and devices reconnect around it.
+  no_advertise: true
+}}
+{_cluster_block(config)}"""
+
+
+def _cluster_block(config: HubConfig) -> str:
+    if config.cluster is None:
+        return ""
+    node = config.cluster.node(config.server.server_name)
+    routes = [n.route for n in config.cluster.nodes if n.name != node.name]
+    return f"""
+cluster {{
+  name: {json.dumps(config.cluster.name)}
+  listen: {json.dumps(node.cluster_listen)}
+  routes: {json.dumps(routes)}
+  # Clients and leaf nodes use the URLs they were given, as for the leaf listener.
   no_advertise: true
 }}
 """

@@ -71,6 +71,10 @@ class Hub(LocalHub):
     def url(self) -> str:
         return self.config.nats.servers[0]
 
+    def leaf_urls(self, proxy_port: int) -> list[str]:
+        """What a device dials: the hub, through its link proxy."""
+        return [f"nats-leaf://127.0.0.1:{proxy_port}"]
+
     def seed_file(self, device_id: str) -> Path:
         return self.root / device_id / "hub.nk"
 
@@ -140,7 +144,7 @@ class Hub(LocalHub):
                 "nats_server": NATS_SERVER,
             },
             "hub": {
-                "urls": [f"nats-leaf://127.0.0.1:{proxy.port}"],
+                "urls": self.leaf_urls(proxy.port),
                 "credentials": str(self.seed_file(device_id)),
             },
         }

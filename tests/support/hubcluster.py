@@ -1,0 +1,169 @@
+"""A hub of three nats-servers in one JetStream cluster on loopback, for the cluster tests.
+
+Each node has its own client, route, leaf and monitoring port and its own store under
+``root/hub/<node>``; they share the users file, as nodes on one machine would. Devices list
+every node's leaf listener in ``hub.urls`` (the first through their link proxy), so a link
+moves to another node when its node dies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import nats
+
+from edge_agent.protocol.files import write_durably
+from edge_agent.protocol.monitor import Monitor
+from edge_agent.protocol.natsserver import ServerProcess
+from hub_ingest.auth import write_auth
+from hub_ingest.config import HubConfig, parse_hub_config
+from hub_ingest.incarnations import watch
+from hub_ingest.localfleet import free_port
+from hub_ingest.provision import provision, stream_names
+from hub_ingest.server import render_server_config
+from tests.support.cluster import Hub, _quiet
+from tests.support.waiting import eventually
+
+NODES = ("hub-1", "hub-2", "hub-3")
+
+
+def loopback_cluster_config(root: Path, *, replicas: int = 3) -> HubConfig:
+    nodes = []
+    for name in NODES:
+        route = free_port()
+        nodes.append(
+            {
+                "name": name,
+                "route": f"nats-route://127.0.0.1:{route}",
+                "cluster_listen": f"127.0.0.1:{route}",
+                "listen": f"127.0.0.1:{free_port()}",
+                "monitor_listen": f"127.0.0.1:{free_port()}",
+                "leaf_listen": f"127.0.0.1:{free_port()}",
+            }
+        )
+    return parse_hub_config(
+        {
+            "state_dir": str(root / "hub"),
+            "nats": {"servers": [f"nats://{n['listen']}" for n in nodes]},
+            "commands": {"max_bytes": "64MiB"},
+            "ingest": {"archive": str(root / "archive"), "checkpoint": str(root / "checkpoint")},
+            "server": {"max_file_store": "1GiB"},
+            "cluster": {"replicas": replicas, "nodes": nodes},
+        }
+    )
+
+
+@dataclass
+class ClusterHub(Hub):
+    """`Hub` on three nodes: `server` is the first; `nodes` has them all by name."""
+
+    nodes: dict[str, ServerProcess] = field(default_factory=dict)
+    watchers: list[asyncio.Task[None]] = field(default_factory=list)
+
+    def leaf_port_of(self, node: str) -> int:
+        assert self.config.cluster is not None
+        return int(self.config.cluster.node(node).server.leaf_listen.rsplit(":", 1)[1])
+
+    def leaf_urls(self, proxy_port: int) -> list[str]:
+        """The first node through the device's link proxy, the others directly."""
+        others = [f"nats-leaf://127.0.0.1:{self.leaf_port_of(n)}" for n in NODES[1:]]
+        return [f"nats-leaf://127.0.0.1:{proxy_port}", *others]
+
+    def start_watch(self) -> None:
+        """One `hub-ingest watch` per node, as each node's service runs it."""
+        self.stop_watch.clear()
+        for name in NODES:
+            server = self.config.for_node(name).server
+            monitor = Monitor(f"http://{server.monitor_listen}")
+            self.watchers.append(
+                asyncio.create_task(watch(self.js, self.nc, self.config, monitor, self.stop_watch))
+            )
+
+    async def stop_watching(self) -> None:
+        self.stop_watch.set()
+        await asyncio.wait_for(asyncio.gather(*self.watchers), 30)
+        self.watchers.clear()
+
+    async def kill(self, node: str) -> None:
+        """SIGKILL one node."""
+        self.nodes[node].kill()
+
+    async def start(self, node: str) -> None:
+        await self.nodes[node].start(timeout=60)
+
+    async def stop(self, node: str) -> None:
+        """Stop one node as an upgrade would: lame-duck mode, then wait for it to exit."""
+        proc = self.nodes[node].proc
+        assert proc is not None
+        proc.send_signal(signal.SIGUSR2)
+        await asyncio.to_thread(proc.wait, 60)
+        self.nodes[node].proc = None
+
+    async def restart(self) -> None:
+        """A hub restart, in the cluster: every node SIGKILLed, then all started again."""
+        for node in NODES:
+            await self.kill(node)
+        await asyncio.gather(*(self.start(n) for n in NODES))
+
+    async def current(self) -> bool:
+        """Whether every node is up and every stream has all its replicas current."""
+        for name in NODES:
+            if not await self.nodes[name].monitor.healthy():
+                return False
+        for name in await stream_names(self.js):
+            cluster = (await self.js.stream_info(name)).cluster
+            peers = (cluster.replicas or []) if cluster else []
+            if len(peers) != self.config.replicas - 1 or not all(
+                p.current and not p.offline for p in peers
+            ):
+                return False
+        return True
+
+    async def close(self) -> None:
+        await super().close()
+        for node in NODES:
+            await self.nodes[node].stop()
+
+
+async def start_cluster_hub(root: Path, *, replicas: int = 3, watching: bool = True) -> ClusterHub:
+    config = loopback_cluster_config(root, replicas=replicas)
+    write_auth(config, [])
+    nodes = {}
+    for name in NODES:
+        node = config.for_node(name)
+        write_durably(node.server.config_file, render_server_config(node))
+        nodes[name] = ServerProcess(node.server.config_file, f"http://{node.server.monitor_listen}")
+    # A node is healthy once the cluster has a JetStream leader: start them together.
+    await asyncio.gather(*(server.start(timeout=60) for server in nodes.values()))
+    nc = await nats.connect(
+        list(config.nats.servers),
+        nkeys_seed=str(config.nats.credentials),
+        max_reconnect_attempts=-1,
+        reconnect_time_wait=0.2,
+        error_cb=_quiet,
+    )
+    js = nc.jetstream(domain=config.nats.domain)
+    hub = ClusterHub(config, nodes[NODES[0]], nc, js, root, nodes=nodes)
+    try:
+        await eventually(lambda: _provisioned(hub), timeout=60, what="cluster provisioned")
+    except BaseException:
+        await hub.close()
+        raise
+    if watching:
+        hub.start_watch()
+    return hub
+
+
+async def _provisioned(hub: ClusterHub) -> bool:
+    """Provision once the meta leader answers (right after start it may not have one)."""
+    with contextlib.suppress(Exception):
+        await provision(hub.js, hub.config, [])
+        return True
+    return False
+
+
+__all__ = ["NODES", "ClusterHub", "loopback_cluster_config", "start_cluster_hub"]
