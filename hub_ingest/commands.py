@@ -4,7 +4,8 @@ A command is published on ``cmd.<device_id>.<type>`` (or ``cmd.all.<type>``) wit
 ``Nats-Msg-Id`` = its id, so a retried send is stored once. Devices answer with events on
 ``evt.<device_id>.result``, which reach the hub through the ``FLEET_EVENTS`` aggregates as
 ``fleet.<device_id>.evt.<device_id>.result``. Results are read with short-lived ephemeral
-consumers; nothing is kept on the hub besides the streams themselves.
+consumers; ``command status`` looks a command and its results up in the command index
+(`hub_ingest.command_index`) instead of reading the history.
 
 Who sent an event is what the hub's own subject transform wrote (``fleet.<id>.…``), never what
 the payload says (`attribute`): a device can publish anything on its own island, but only under
@@ -17,15 +18,18 @@ import json
 from collections.abc import AsyncIterator, Iterable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import NotFoundError
 
 from edge_agent.protocol.envelope import BROADCAST, Envelope, new_envelope, supersedes
 from edge_agent.protocol.names import HUB_COMMANDS
+from hub_ingest.attribution import Attribution, attribute
+from hub_ingest.command_index import RESULT_FILTER, CommandIndex, IndexedCommand
 from hub_ingest.errors import HubIngestError
 from hub_ingest.provision import AGGREGATES
 from hub_ingest.registry import Device
@@ -41,13 +45,11 @@ __all__ = [
     "command_status",
     "describe",
     "event_streams",
-    "find_command",
     "new_envelope",
     "send",
     "supersedes",
 ]
 
-RESULT_FILTER = "fleet.*.evt.*.result"
 _EVENTS = next(a for a in AGGREGATES if a.device_stream == "EVENTS")
 
 
@@ -62,32 +64,6 @@ async def send(js: JetStreamContext, envelope: Envelope) -> int:
 def event_streams(devices: Iterable[Device]) -> list[str]:
     """The ``FLEET_EVENTS`` shards that source `devices`."""
     return sorted({_EVENTS.stream_name(d.shard) for d in devices} or {_EVENTS.stream_name(0)})
-
-
-@dataclass(frozen=True, slots=True)
-class Attribution:
-    device_id: str | None  # from the hub's subject; None: not an aggregate event subject
-    forgery: str | None  # what the event claims that its subject does not; None: consistent
-
-    @property
-    def trusted(self) -> bool:
-        return self.device_id is not None and self.forgery is None
-
-
-def attribute(subject: str, body: Mapping[str, Any] | None, kind: str) -> Attribution:
-    """Who sent the `kind` event (``result``, ``heartbeat``) stored on `subject` in an aggregate:
-    the device the hub's transform named, if the device's own subject and payload agree."""
-    tokens = subject.split(".")
-    if len(tokens) < 5 or tokens[0] != "fleet" or tokens[2] != "evt":
-        return Attribution(None, f"{subject} is not an aggregate event subject")
-    device = tokens[1]
-    published = ".".join(tokens[2:])
-    if tokens[3] != device or tokens[4:] != [kind]:
-        return Attribution(device, f"published {published}")
-    claimed = (body or {}).get("device_id")
-    if claimed is not None and claimed != device:
-        return Attribution(device, f"{published} naming device {claimed!r}")
-    return Attribution(device, None)
 
 
 @dataclass
@@ -176,50 +152,39 @@ def _result(msg: Msg) -> tuple[Attribution, dict[str, Any]] | None:
     return attribute(msg.subject, body, "result"), body
 
 
-async def find_command(js: JetStreamContext, command_id: str) -> tuple[Msg, dict[str, Any]] | None:
-    """The command with `command_id` in the hub's ``COMMANDS``, if it is still there."""
-    config = ConsumerConfig(ack_policy=AckPolicy.NONE, inactive_threshold=30.0, mem_storage=True)
-    sub = await js.pull_subscribe("cmd.>", stream=HUB_COMMANDS, config=config)
-    try:
-        pending = (await sub.consumer_info()).num_pending
-        while pending:
-            msgs = await sub.fetch(min(pending, 256), timeout=5.0)
-            for msg in msgs:
-                if (msg.headers or {}).get("Nats-Msg-Id") == command_id:
-                    return msg, json.loads(msg.data)
-            pending = msgs[-1].metadata.num_pending
+async def _stored_command(
+    js: JetStreamContext, command_id: str, found: IndexedCommand | None
+) -> tuple[str, dict[str, Any]] | None:
+    """Subject and envelope of the indexed command, if ``COMMANDS`` still has it."""
+    if found is None:
         return None
-    finally:
-        await sub.unsubscribe()
+    try:
+        msg = await js.get_msg(HUB_COMMANDS, found.seq)
+    except NotFoundError:
+        return None  # gone (max_age), or COMMANDS was made anew
+    if (msg.headers or {}).get("Nats-Msg-Id") != command_id or msg.data is None:
+        return None
+    return found.subject, json.loads(msg.data)
 
 
 async def command_status(
     js: JetStreamContext, command_id: str, devices: list[Device]
 ) -> CommandStatus:
-    """Per device concerned, the result of `command_id` so far."""
-    found = await find_command(js, command_id)
+    """Per device concerned, the result of `command_id` so far: looked up in the command
+    index (`hub_ingest.command_index`), not by reading the command history."""
+    index = await CommandIndex.open(js)
+    await index.catch_up(event_streams(devices))
+    found = await _stored_command(js, command_id, await index.command(command_id))
     if found is None:
         # Gone from HUB_COMMANDS (max_age) or never sent: report whatever results exist.
         status = CommandStatus(None, None)
-        since = datetime.fromtimestamp(0, UTC)
     else:
-        msg, envelope = found
-        target = msg.subject.split(".")[1]
+        subject, envelope = found
+        target = subject.split(".")[1]
         expected = [d.device_id for d in devices] if target == BROADCAST else [target]
-        status = CommandStatus(envelope, msg.subject, expected=expected)
-        since = msg.metadata.timestamp
-    async with ResultReader.open(js, event_streams(devices), since) as reader:
-        while await reader.pending():
-            for sender, result in await reader.read(timeout=5.0):
-                if result.get("command_id") != command_id or sender.device_id is None:
-                    continue
-                if sender.forgery is not None:
-                    status.forged.append(f"{sender.device_id}: {sender.forgery}")
-                    continue
-                device = sender.device_id
-                seen = status.results.get(device)
-                if seen is None or supersedes(result.get("status"), seen.get("status")):
-                    status.results[device] = result
+        status = CommandStatus(envelope, subject, expected=expected)
+    status.results.update(await index.answers(command_id))
+    status.forged.extend(await index.forgeries(command_id))
     if found is None and not status.results:
         raise HubIngestError(f"command {command_id!r} not found in {HUB_COMMANDS} or in any result")
     return status

@@ -9,6 +9,11 @@ Stream info is read as raw JSON from ``$JS.<domain>.API.STREAM.INFO.<name>``: na
 dataclasses drop a source's ``external`` block, the only thing that says which device a source
 reads from (every device's stream has the same name).
 
+Command counts and the last failure come from the command index
+(`hub_ingest.command_index`), brought up to date first; pending and expired commands are the
+ones ``CMD_<id>`` holds without a result. A call reads the backlog and what is new since the
+last one, never the whole command history.
+
 Everything is read from what already exists; a hub without ``COMMANDS``, without results or
 with its monitoring endpoint down still gets a report, with the missing parts left empty.
 """
@@ -20,7 +25,7 @@ import base64
 import binascii
 import json
 import urllib.request
-from collections import Counter, defaultdict
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
@@ -30,12 +35,11 @@ import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from nats.js.errors import NotFoundError
 
-from edge_agent.protocol.names import HUB_COMMANDS, island_name, js_api
+from edge_agent.protocol.names import command_stream, island_name, js_api
 from edge_agent.protocol.units import format_time, parse_time
-from hub_ingest.commands import Attribution, attribute, supersedes
+from hub_ingest.attribution import Attribution, attribute
+from hub_ingest.command_index import CommandIndex, Tally, json_object, read_range
 from hub_ingest.config import HubConfig
 from hub_ingest.errors import ReportError
 from hub_ingest.provision import AGGREGATES, mirror_name
@@ -45,7 +49,6 @@ SCHEMA = "hub-ingest.report/1"
 EVENTS = next(a for a in AGGREGATES if a.device_stream == "EVENTS")
 # JetStream's err_code for "stream not found" and "no message found".
 _NOT_FOUND_CODES = (10059, 10037)
-_SCAN_BATCH = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,34 +221,6 @@ class HubApi:
         return message if isinstance(message, dict) else None
 
 
-async def scan(js: JetStreamContext, stream: str, subject: str) -> list[Msg]:
-    """Every message of `stream` on `subject` (wildcards allowed), oldest first."""
-    config = ConsumerConfig(
-        ack_policy=AckPolicy.NONE,
-        deliver_policy=DeliverPolicy.ALL,
-        mem_storage=True,
-        # Removed by the server even if this process dies before deleting it.
-        inactive_threshold=60.0,
-    )
-    try:
-        sub = await js.pull_subscribe(subject, stream=stream, config=config)
-    except NotFoundError:
-        return []
-    info = await sub.consumer_info()
-    assert info.name is not None
-    msgs: list[Msg] = []
-    try:
-        pending = info.num_pending or 0
-        while pending > 0:
-            batch = await sub.fetch(min(pending, _SCAN_BATCH), timeout=10)
-            msgs.extend(batch)
-            pending = batch[-1].metadata.num_pending or 0
-    finally:
-        await sub.unsubscribe()
-        await js.delete_consumer(stream, info.name)
-    return msgs
-
-
 def leaf_names(base_url: str, timeout: float = 5.0) -> set[str]:
     """Names of the leaf nodes connected to the hub right now (``/leafz``)."""
     try:
@@ -270,26 +245,10 @@ class _Command:
     expires_at: datetime | None
 
 
-@dataclass(frozen=True, slots=True)
-class _Result:
-    seq: int
-    command_id: str | None
-    status: str
-    error: str | None
-
-
-def _json_object(data: bytes) -> dict[str, Any] | None:
-    try:
-        value = json.loads(data)
-    except ValueError:
-        return None
-    return value if isinstance(value, dict) else None
-
-
 def _beat_body(heartbeat: Mapping[str, Any] | None) -> dict[str, Any] | None:
     """The JSON body of a heartbeat as returned by ``STREAM.MSG.GET``."""
     try:
-        return _json_object(base64.b64decode(str((heartbeat or {}).get("data", ""))))
+        return json_object(base64.b64decode(str((heartbeat or {}).get("data", ""))))
     except (binascii.Error, ValueError):
         return None
 
@@ -318,40 +277,14 @@ def _beat_uplinks(heartbeat: Mapping[str, Any] | None) -> dict[str, dict[str, An
     }
 
 
-def _commands(msgs: Iterable[Msg]) -> list[_Command]:
-    commands = []
-    for msg in msgs:
-        envelope = _json_object(msg.data)
-        tokens = msg.subject.split(".")
-        # A malformed envelope has no id to match a result to; its device answers "rejected".
-        if envelope is None or not isinstance(envelope.get("id"), str) or len(tokens) < 3:
-            continue
-        commands.append(_Command(envelope["id"], tokens[1], parse_time(envelope.get("expires_at"))))
-    return commands
-
-
-def _results(msgs: Iterable[Msg], forged: _Forgeries) -> dict[str, list[_Result]]:
-    """Results by device, from the subject the hub rewrote (`attribute`); one that claims
-    another device is not counted for anybody, only noted in `forged`."""
-    by_device: dict[str, list[_Result]] = defaultdict(list)
-    for msg in msgs:
-        body = _json_object(msg.data) or {}
-        sender = attribute(msg.subject, body, "result")
-        if not sender.trusted:
-            forged.note(sender)
-            continue
-        assert sender.device_id is not None
-        command_id = body.get("command_id")
-        error = body.get("error")
-        by_device[sender.device_id].append(
-            _Result(
-                seq=msg.metadata.sequence.stream if msg.metadata.sequence else 0,
-                command_id=command_id if isinstance(command_id, str) else None,
-                status=str(body.get("status", "unknown")),
-                error=None if error is None else str(error),
-            )
-        )
-    return by_device
+def _command(msg: Msg) -> _Command | None:
+    """The command in a ``CMD_<id>`` message; None for a malformed envelope, which has no id
+    to match a result to (its device answers "rejected")."""
+    envelope = json_object(msg.data)
+    tokens = msg.subject.split(".")
+    if envelope is None or not isinstance(envelope.get("id"), str) or len(tokens) < 3:
+        return None
+    return _Command(envelope["id"], tokens[1], parse_time(envelope.get("expires_at")))
 
 
 class _Forgeries:
@@ -387,32 +320,24 @@ async def _heartbeat_forgeries(api: HubApi, stream: str, forged: _Forgeries) -> 
             forged.note(sender, int(count))
 
 
-def _decisive(results: list[_Result]) -> list[_Result]:
-    """One result per command id (see `supersedes`); results without an id all count."""
-    by_id: dict[str, _Result] = {}
-    for r in results:
-        if r.command_id is not None:
-            seen = by_id.get(r.command_id)
-            if seen is None or supersedes(r.status, seen.status):
-                by_id[r.command_id] = r
-    return [*by_id.values(), *(r for r in results if r.command_id is None)]
-
-
-def _command_state(
-    device_id: str, commands: list[_Command], results: list[_Result], now: datetime
+async def _command_state(
+    api: HubApi, js: JetStreamContext, tally: Tally, device_id: str, now: datetime
 ) -> tuple[CommandCounts, CommandError | None]:
-    results = _decisive(results)
-    answered = {r.command_id for r in results if r.command_id is not None}
-    mine = [c for c in commands if c.target in (device_id, "all") and c.id not in answered]
-    expired = sum(1 for c in mine if c.expires_at is not None and c.expires_at <= now)
-    failures = [r for r in results if r.status != "ok"]
-    last = max(failures, key=lambda r: r.seq, default=None)
-    counts = CommandCounts(
-        pending=len(mine) - expired,
-        expired=expired,
-        done=len(answered) + sum(1 for r in results if r.command_id is None),
-        failed=len(failures),
-    )
+    """Counts from the device's `Tally`; pending and expired from the commands its
+    ``CMD_<id>`` still holds without a result (the backlog, never the whole history)."""
+    stream = command_stream(device_id)
+    state = ((await api.stream_info(stream)) or {}).get("state") or {}
+    pending = expired = 0
+    if state.get("messages"):
+        for lo, hi in tally.unanswered(int(state["first_seq"]), int(state["last_seq"])):
+            async for batch in read_range(js, stream, ">", lo, hi):
+                for command in filter(None, map(_command, batch)):
+                    if command.expires_at is not None and command.expires_at <= now:
+                        expired += 1
+                    else:
+                        pending += 1
+    counts = CommandCounts(pending=pending, expired=expired, done=tally.done, failed=tally.failed)
+    last = tally.last_error
     return counts, None if last is None else CommandError(last.command_id, last.status, last.error)
 
 
@@ -490,12 +415,10 @@ async def collect_report(
     infos = {name: await api.stream_info(name) for name in names}
     warnings.extend(f"aggregate stream {n} does not exist" for n, i in infos.items() if i is None)
 
-    commands = _commands(await scan(js, HUB_COMMANDS, "cmd.>"))
     event_streams = [n for n in names if infos[n] is not None and n.startswith(EVENTS.base_name)]
+    index = await CommandIndex.open(js)
+    await index.catch_up(event_streams, commands=False)
     forged = _Forgeries()
-    results = _results(
-        [m for n in event_streams for m in await scan(js, n, "fleet.*.evt.*.result")], forged
-    )
     for name in event_streams:
         await _heartbeat_forgeries(api, name, forged)
 
@@ -522,9 +445,10 @@ async def collect_report(
         beat_age = round(max((now - beat_at).total_seconds(), 0.0), 3) if beat_at else None
         ages = [a for a in (beat_age, *(s.last_active_s for s in sources)) if a is not None]
         last_seen = min(ages) if ages else None
-        counts, last_error = _command_state(
-            device.device_id, commands, results.get(device.device_id, []), now
-        )
+        tally = await index.tally(device.device_id)
+        if tally.forged:
+            forged.note(Attribution(device.device_id, tally.forged_example), tally.forged)
+        counts, last_error = await _command_state(api, js, tally, device.device_id, now)
         reports.append(
             DeviceReport(
                 device_id=device.device_id,

@@ -6,16 +6,21 @@ import asyncio
 import json
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+from nats.js.api import RawStreamMsg
+
+from edge_agent.protocol.envelope import supersedes
 from edge_agent.protocol.units import parse_time
-from hub_ingest.localfleet import write_hub_toml
+from hub_ingest.commands import command_status
+from hub_ingest.localfleet import stream_messages, write_hub_toml
 from hub_ingest.registry import Registry
-from hub_ingest.report import collect_report
+from hub_ingest.report import FleetReport, collect_report
 from tests.support.cluster import Hub
+from tests.support.commands import send_command
 from tests.support.waiting import eventually
 
 SILENT_AFTER = 5.0  # heartbeats every second; a cut device crosses this within seconds
@@ -200,3 +205,132 @@ def _edges(graph: str) -> dict[tuple[str, str], str]:
     for m in re.finditer(r'^\s*"([^"]+)" -> "([^"]+)"(?: \[(.*)\])?;$', graph, re.MULTILINE):
         found[(m.group(1), m.group(2))] = m.group(3) or ""
     return found
+
+
+async def _results_at_hub(hub: Hub, device_id: str) -> int:
+    info = await hub.js.stream_info(
+        "FLEET_EVENTS", subjects_filter=f"fleet.{device_id}.evt.{device_id}.result"
+    )
+    return sum((info.state.subjects or {}).values())
+
+
+def _counts_from_history(
+    commands: list[RawStreamMsg], results: list[RawStreamMsg], device_id: str, now: datetime
+) -> dict[str, Any]:
+    """What the report must say, worked out from the whole history, as it used to be."""
+    decisive: dict[str, dict[str, Any]] = {}
+    anonymous: list[dict[str, Any]] = []
+    for msg in results:
+        body = json.loads(msg.data or b"{}")
+        if msg.subject != f"fleet.{device_id}.evt.{device_id}.result":
+            continue
+        if body.get("device_id") not in (None, device_id):
+            continue  # forged: counted for nobody
+        body["_seq"] = msg.seq
+        if body.get("command_id") is None:
+            anonymous.append(body)
+            continue
+        seen = decisive.get(body["command_id"])
+        if seen is None or supersedes(body["status"], seen["status"]):
+            decisive[body["command_id"]] = body
+    pending = expired = 0
+    for msg in commands:
+        envelope = json.loads(msg.data or b"{}")
+        target = (msg.subject or "").split(".")[1]
+        if target in (device_id, "all") and envelope["id"] not in decisive:
+            if parse_time(envelope["expires_at"]) <= now:  # type: ignore[operator]
+                expired += 1
+            else:
+                pending += 1
+    answers = [*decisive.values(), *anonymous]
+    failures = [r for r in answers if r["status"] != "ok"]
+    last = max(failures, key=lambda r: r["_seq"], default=None)
+    return {
+        "commands": {
+            "pending": pending,
+            "expired": expired,
+            "done": len(answers),
+            "failed": len(failures),
+        },
+        "last_error": None if last is None else last["command_id"],
+    }
+
+
+async def _check_against_history(hub: Hub, reports: list[FleetReport]) -> None:
+    commands = await stream_messages(hub.js, "COMMANDS")
+    results = await stream_messages(hub.js, "FLEET_EVENTS")
+    now = datetime.now(UTC)
+    for report in reports:
+        for device in report.devices:
+            got = {
+                "commands": asdict(device.commands),
+                "last_error": device.last_error and device.last_error.command_id,
+            }
+            assert got == _counts_from_history(commands, results, device.device_id, now), (
+                device.device_id
+            )
+
+
+async def test_report_and_status_agree_with_a_long_history(hub: Hub, tmp_path: Path) -> None:
+    """Read through the command index, the report's counts equal what the whole history says,
+    on the first call (index built), after more history (index caught up) and with two reports
+    at once; ``command status`` finds old and broadcast commands and forged results."""
+    a = await hub.device("a", heartbeat_interval="1s")
+    await hub.register("c")
+    pings = [await send_command(hub, "a", "ping") for _ in range(40)]
+    refused = [await send_command(hub, "a", "exec", {"argv": ["rm", "-rf", "/"]}) for _ in range(3)]
+    await send_command(hub, "all", "ping")
+    for_c = await send_command(hub, "c", "ping")
+    await send_command(hub, "c", "ping", ttl=-60)  # expired before it was sent
+    await eventually(lambda: _at_least(hub, "a", 44), timeout=60, what="a's 44 results")
+    # Another answer to a command already answered "ok" (it does not replace it), an answer
+    # without a command id, and an answer in c's name to c's command (a forgery).
+    extra = [
+        {"command_id": pings[0].id, "device_id": "a", "status": "rejected", "error": "again"},
+        {"command_id": None, "device_id": "a", "status": "error", "error": "no id"},
+        {"command_id": for_c.id, "device_id": "c", "status": "ok", "seq": 1},
+    ]
+    for body in extra:
+        await a.js.publish("evt.a.result", json.dumps(body).encode())
+    await eventually(lambda: _at_least(hub, "a", 47), timeout=60, what="a's forged results")
+
+    devices = await (await Registry.open(hub.js)).list()
+    first = await collect_report(hub.nc, hub.config, devices, silent_after=60)
+    await _check_against_history(hub, [first])
+    by_id = {d.device_id: d for d in first.devices}
+    assert asdict(by_id["a"].commands) == {"pending": 0, "expired": 0, "done": 45, "failed": 4}
+    assert asdict(by_id["c"].commands) == {"pending": 2, "expired": 1, "done": 0, "failed": 0}
+    assert by_id["a"].forged_events == 1
+    assert any(w.startswith("device a sent 1 event(s) claiming another") for w in first.warnings)
+
+    for _ in range(20):
+        await send_command(hub, "a", "ping")
+    later = await send_command(hub, "all", "ping")
+    await eventually(lambda: _at_least(hub, "a", 68), timeout=60, what="a's next 21 results")
+    twice = await asyncio.gather(
+        *(collect_report(hub.nc, hub.config, devices, silent_after=60) for _ in range(2))
+    )
+    await _check_against_history(hub, list(twice))
+    assert asdict(twice[0].devices[0].commands)["done"] == 66
+
+    status = await command_status(hub.js, pings[1].id, devices)
+    assert status.per_device() == {"a": "ok"} and status.subject == "cmd.a.ping"
+    assert (await command_status(hub.js, refused[0].id, devices)).per_device() == {"a": "rejected"}
+    assert (await command_status(hub.js, later.id, devices)).per_device() == {
+        "a": "ok",
+        "c": "pending",
+    }
+    hub_toml = write_hub_toml(hub.config, tmp_path / "hub.toml")
+    run = await hub_ingest("-c", str(hub_toml), "command", "status", for_c.id, "--json")
+    assert run.code == 0, run.stderr
+    body = json.loads(run.stdout)
+    assert body["command"]["id"] == for_c.id
+    assert body["devices"] == {"c": {"status": "pending", "result": None}}
+    assert body["forged"] == ["a: evt.a.result naming device 'c'"]
+    repeat = await hub_ingest("-c", str(hub_toml), "command", "status", pings[0].id, "--json")
+    assert json.loads(repeat.stdout)["devices"]["a"]["status"] == "ok"
+    assert json.loads(repeat.stdout)["devices"]["a"]["result"]["output"]["pong"] is True
+
+
+async def _at_least(hub: Hub, device_id: str, count: int) -> bool:
+    return await _results_at_hub(hub, device_id) >= count
