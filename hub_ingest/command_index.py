@@ -192,12 +192,19 @@ class CommandIndex:
         self._kv = kv
 
     @classmethod
-    async def open(cls, js: JetStreamContext) -> CommandIndex:
+    async def open(cls, js: JetStreamContext, replicas: int = 1) -> CommandIndex:
+        """The index, made (with `replicas`: the hub's, see `HubConfig.replicas`) if missing."""
         try:
             kv = await js.key_value(BUCKET)
         except BucketNotFoundError:
             kv = await js.create_key_value(
-                KeyValueConfig(bucket=BUCKET, history=1, storage=StorageType.FILE, direct=True)
+                KeyValueConfig(
+                    bucket=BUCKET,
+                    history=1,
+                    storage=StorageType.FILE,
+                    direct=True,
+                    replicas=replicas,
+                )
             )
         return cls(js, kv)
 

@@ -168,11 +168,12 @@ async def _stored_command(
 
 
 async def command_status(
-    js: JetStreamContext, command_id: str, devices: list[Device]
+    js: JetStreamContext, command_id: str, devices: list[Device], *, replicas: int = 1
 ) -> CommandStatus:
     """Per device concerned, the result of `command_id` so far: looked up in the command
-    index (`hub_ingest.command_index`), not by reading the command history."""
-    index = await CommandIndex.open(js)
+    index (`hub_ingest.command_index`, made with `replicas` if missing), not by reading the
+    command history."""
+    index = await CommandIndex.open(js, replicas)
     await index.catch_up(event_streams(devices))
     found = await _stored_command(js, command_id, await index.command(command_id))
     if found is None:

@@ -118,7 +118,7 @@ async def _status(config: HubConfig, args: argparse.Namespace) -> int:
     async with hub_connection(config) as nc:
         js = nc.jetstream(domain=config.nats.domain)
         devices = await (await Registry.open(js)).list()
-        status = await command_status(js, args.command_id, devices)
+        status = await command_status(js, args.command_id, devices, replicas=config.replicas)
     if args.json:
         print(json.dumps(status.to_dict(), indent=2))
         return 0

@@ -416,7 +416,7 @@ async def collect_report(
     warnings.extend(f"aggregate stream {n} does not exist" for n, i in infos.items() if i is None)
 
     event_streams = [n for n in names if infos[n] is not None and n.startswith(EVENTS.base_name)]
-    index = await CommandIndex.open(js)
+    index = await CommandIndex.open(js, config.replicas)
     await index.catch_up(event_streams, commands=False)
     forged = _Forgeries()
     for name in event_streams:
