@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import nkeys
+from nats.js import JetStreamContext
 
 from edge_agent.protocol.errors import MonitorUnavailable
 from edge_agent.protocol.files import write_durably
@@ -41,7 +42,7 @@ from edge_agent.protocol.names import (
 )
 from hub_ingest.config import HubConfig, ServerConfig
 from hub_ingest.errors import HubIngestError, HubUnreachableError
-from hub_ingest.registry import Device
+from hub_ingest.registry import Device, Registry
 
 ACCOUNT = "FLEET"
 
@@ -126,6 +127,21 @@ def write_auth(config: HubConfig, devices: Iterable[Device]) -> Path:
     text = render_auth(ensure_operator_key(config), devices, config.nats.domain)
     write_secret(config.server.auth_file, text.rstrip("\n"))
     return config.server.auth_file
+
+
+async def sync_users(js: JetStreamContext, config: HubConfig) -> bool:
+    """Rewrite the users file from the registry and reload if it differs; True if it did."""
+    devices = await (await Registry.open(js)).list()
+    text = render_auth(ensure_operator_key(config), devices, config.nats.domain)
+    try:
+        current = config.server.auth_file.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        current = None
+    if current is not None and current.rstrip("\n") == text.rstrip("\n"):
+        return False
+    write_auth(config, devices)
+    await reload_server(config)
+    return True
 
 
 async def reload_server(config: HubConfig, timeout: float = 30.0) -> bool:

@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import signal
 import sys
 from pathlib import Path
 from typing import Any
 
+import structlog
+from nats.js import JetStreamContext
+
 from edge_agent.protocol import errors as protocol
 from edge_agent.protocol.files import write_durably
 from edge_agent.protocol.monitor import Monitor
 from edge_agent.protocol.natsserver import check_version, resolve_nats_server
-from hub_ingest.auth import write_auth
+from hub_ingest.auth import sync_users, write_auth
 from hub_ingest.config import HubConfig
 from hub_ingest.connect import hub_connection
 from hub_ingest.errors import ConfigError
@@ -22,6 +26,10 @@ from hub_ingest.provision import provision
 from hub_ingest.registry import Registry
 from hub_ingest.report import monitor_url
 from hub_ingest.server import render_server_config
+
+log = structlog.get_logger(__name__)
+
+USERS_SYNC_S = 5.0  # how soon another machine's `device add` reaches this node
 
 ADOPT_HELP = (
     "take over streams with the fleet's names that hub-ingest did not create (otherwise "
@@ -38,7 +46,8 @@ def register(sub: Any) -> None:
         help="run until stopped: notice re-imaged devices (new incarnations) and mirror them",
     )
     w.add_argument("--log-level", default="info", help="each new incarnation is logged at info")
-    w.set_defaults(handler=lambda config, args: asyncio.run(_watch(config)))
+    w.add_argument("--node", help="on a cluster: the node this runs beside (it watches its links)")
+    w.set_defaults(handler=lambda config, args: asyncio.run(_watch(config.for_node(args.node))))
     r = sub.add_parser(
         "render-nats-config",
         help="write the hub's nats-server config (and, if missing, its users file)",
@@ -75,8 +84,24 @@ async def _watch(config: HubConfig) -> int:
         loop.add_signal_handler(sig, stop.set)
     monitor = Monitor(monitor_url(config))
     async with hub_connection(config, name="hub-ingest-watch") as nc:
-        await watch(nc.jetstream(domain=config.nats.domain), nc, config, monitor, stop)
+        js = nc.jetstream(domain=config.nats.domain)
+        async with asyncio.TaskGroup() as tasks:
+            tasks.create_task(watch(js, nc, config, monitor, stop))
+            if config.cluster is not None:
+                tasks.create_task(_keep_users(js, config, stop))
     return 0
+
+
+async def _keep_users(js: JetStreamContext, config: HubConfig, stop: asyncio.Event) -> None:
+    """Keep this node's users file in line with the registry: `device add` rewrites and
+    reloads only the nodes on the machine it runs on."""
+    while not stop.is_set():
+        try:
+            await sync_users(js, config)
+        except Exception as exc:  # a node restarting: log, and try again
+            log.warning("users_sync_failed", error=repr(exc))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), USERS_SYNC_S)
 
 
 def _render(config: HubConfig, args: argparse.Namespace) -> int:

@@ -106,8 +106,9 @@ class Registry:
             keys = await self._kv.keys()
         except NoKeysError:
             return []
-        devices = [await self.get(key) for key in keys]
-        return sorted(devices, key=lambda d: d.device_id)
+        # The key listing is a consumer over the bucket: on a cluster a leader change during
+        # it can deliver a key twice, and a device listed twice would be sourced twice.
+        return [await self.get(key) for key in sorted(set(keys))]
 
     async def get(self, device_id: str) -> Device:
         try:

@@ -1,4 +1,5 @@
-"""Fixtures: a real hub nats-server per test, and a factory for devices linked to it."""
+"""Fixtures: a real hub nats-server (or a cluster of three) per test, and a factory for
+devices linked to it."""
 
 from __future__ import annotations
 
@@ -10,12 +11,23 @@ from pyspark.sql import SparkSession
 
 from hub_ingest.job import spark_session
 from tests.support.cluster import Hub, start_hub
+from tests.support.hubcluster import ClusterHub, start_cluster_hub
 
 
 @pytest.fixture
 async def hub(tmp_path: Path) -> AsyncIterator[Hub]:
     """A hub with COMMANDS and empty aggregates; `await hub.device("a")` adds a device."""
     hub = await start_hub(tmp_path)
+    try:
+        yield hub
+    finally:
+        await hub.close()
+
+
+@pytest.fixture
+async def cluster_hub(tmp_path: Path) -> AsyncIterator[ClusterHub]:
+    """The same hub on a three-node JetStream cluster, every stream at three replicas."""
+    hub = await start_cluster_hub(tmp_path)
     try:
         yield hub
     finally:

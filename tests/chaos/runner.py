@@ -29,10 +29,13 @@ from nats.js.errors import APIError
 from edge_agent.health import collect_status
 from edge_agent.island import pid_file
 from hub_ingest.commands import Envelope, new_envelope, send
-from hub_ingest.report import scan
+from hub_ingest.registry import Registry
+from hub_ingest.report import collect_report
 from tests.chaos.schedule import Action, draw_schedule
 from tests.support.agent_process import AgentProcess
 from tests.support.cluster import Device, Hub, write_agent_config
+from tests.support.hubcluster import NODES, ClusterHub
+from tests.support.scan import scan
 from tests.support.waiting import eventually
 
 MARKER = """\
@@ -125,6 +128,7 @@ class Outcome:
     archived: int = 0
     archive_losses: int = 0
     archive_duplicates: int = 0
+    reports: int = 0  # fleet reports that listed every device, taken while a hub node was down
 
     def summary(self) -> str:
         return (
@@ -134,17 +138,27 @@ class Outcome:
             f"out_of_order={self.out_of_order} commands sent={self.commands_sent} "
             f"expected_runs={self.expected_runs} ran={self.runs} ran_twice={self.double_runs} "
             f"results={self.results} missing_results={self.missing_results} "
+            f"reports_with_a_node_down={self.reports} "
             f"duplicate_results={self.extra_results} wall={self.wall_s:.0f}s "
             f"(replay: CHAOS_SEED={self.seed})"
         )
 
 
 class Chaos:
-    def __init__(self, hub: Hub, root: Path, seed: int, *, faults: int) -> None:
+    def __init__(
+        self,
+        hub: Hub,
+        root: Path,
+        seed: int,
+        *,
+        faults: int,
+        schedule: list[Action] | None = None,
+    ) -> None:
         self.hub = hub
         self.root = root
         self.seed = seed
-        self.schedule = draw_schedule(seed, ["a", "b", "c"], faults=faults)
+        nodes = NODES if isinstance(hub, ClusterHub) else ()
+        self.schedule = schedule or draw_schedule(seed, ["a", "b", "c"], faults=faults, nodes=nodes)
         self.nodes: dict[str, Node] = {}
         self.marker = root / "marker.py"
         self.runs_file = root / "runs.txt"
@@ -202,6 +216,9 @@ class Chaos:
             await self.hub.restart()
             self.outcome.faults[action.kind] += 1
             return
+        if action.kind in ("node_kill", "rolling_restart"):
+            await self._hub_node_fault(action)
+            return
         node = self.nodes[action.target]
         if action.kind == "cut":
             node.device.proxy.cut()
@@ -215,6 +232,40 @@ class Chaos:
             node.start_agent()
         elif action.kind == "island_kill" and node.kill_island():
             self.outcome.faults[action.kind] += 1
+
+    async def _hub_node_fault(self, action: Action) -> None:
+        """A hub node SIGKILLed for `duration` (the fleet report is taken while it is down),
+        or every node stopped and started in turn as an upgrade would, each back in the
+        cluster before the next goes."""
+        assert isinstance(self.hub, ClusterHub)
+        hub = self.hub
+        self.outcome.faults[action.kind] += 1
+        if action.kind == "node_kill":
+            node = action.target
+            if node == "leader":  # of the telemetry aggregate, looked up now
+                cluster = (await hub.js.stream_info("FLEET_TELEMETRY")).cluster
+                assert cluster is not None and cluster.leader is not None
+                node = cluster.leader
+            await hub.kill(node)
+            back_at = time.monotonic() + action.duration
+            # The first requests after a kill may wait out a leader election (a few seconds).
+            await eventually(self._report, timeout=30, interval=0.5, what="fleet report")
+            self.outcome.reports += 1
+            await asyncio.sleep(max(0.0, back_at - time.monotonic()))  # the node stays dead
+            await hub.start(node)
+            return
+        for node in NODES:
+            await hub.stop(node)
+            await hub.start(node)
+            await eventually(hub.current, timeout=120, interval=0.5, what=f"{node} current")
+
+    async def _report(self) -> bool:
+        """The fleet report, as `hub-ingest report` makes it: it must list every device."""
+        registry = await Registry.open(self.hub.js)
+        report = await collect_report(
+            self.hub.nc, self.hub.config, await registry.list(), silent_after=3600
+        )
+        return {d.device_id for d in report.devices} == set(self.nodes)
 
     async def _command(self, target: str) -> None:
         envelope = new_envelope(target, "exec", {}, ttl=3600)

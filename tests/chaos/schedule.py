@@ -13,8 +13,12 @@ from typing import Literal
 
 DEFAULT_SEED = 3  # a schedule with every kind of fault, 3 hub restarts among them
 
-Kind = Literal["cut", "agent_kill", "island_kill", "hub_restart", "command"]
-FAULTS: tuple[Kind, ...] = ("cut", "agent_kill", "island_kill", "hub_restart")
+Kind = Literal[
+    "cut", "agent_kill", "island_kill", "hub_restart", "node_kill", "rolling_restart", "command"
+]
+FAULTS: tuple[Kind, ...] = (
+    "cut", "agent_kill", "island_kill", "hub_restart", "node_kill", "rolling_restart"
+)  # fmt: skip
 # Relative weights: cuts are what devices see most; hub restarts are rare and slow to heal.
 _WEIGHTS: dict[Kind, float] = {
     "cut": 0.32,
@@ -23,6 +27,8 @@ _WEIGHTS: dict[Kind, float] = {
     "hub_restart": 0.08,
     "command": 0.28,
 }
+# On a hub cluster one node at a time is SIGKILLed instead (two would cost the quorum).
+_CLUSTER_WEIGHTS: dict[Kind, float] = {**_WEIGHTS, "hub_restart": 0.0, "node_kill": 0.12}
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,13 +49,20 @@ def seed_from_env() -> int:
 
 
 def draw_schedule(
-    seed: int, devices: list[str], *, faults: int, gap: tuple[float, float] = (1.2, 3.0)
+    seed: int,
+    devices: list[str],
+    *,
+    faults: int,
+    gap: tuple[float, float] = (1.2, 3.0),
+    nodes: tuple[str, ...] = (),
 ) -> list[Action]:
     """Actions until `faults` faults are drawn. A device's next fault starts after its last
-    one has healed, so every fault is a clean pair (cut/restore, kill/start)."""
+    one has healed, so every fault is a clean pair (cut/restore, kill/start). With hub
+    `nodes` (a cluster), node kills take the place of hub restarts."""
     rng = random.Random(seed)
-    kinds = list(_WEIGHTS)
-    weights = list(_WEIGHTS.values())
+    table = _CLUSTER_WEIGHTS if nodes else _WEIGHTS
+    kinds = list(table)
+    weights = list(table.values())
     busy_until = dict.fromkeys([*devices, "hub"], 0.0)
     actions: list[Action] = []
     t = 0.0
@@ -60,10 +73,13 @@ def draw_schedule(
             target = rng.choice([*devices, "all"])
             actions.append(Action(round(t, 2), kind, target, 0.0))
             continue
-        target = "hub" if kind == "hub_restart" else rng.choice(devices)
-        if busy_until[target] > t or (kind == "hub_restart" and busy_until["hub"] + 15 > t):
-            continue  # still healing from its last fault; hub restarts at least 15 s apart
+        on_hub = kind in ("hub_restart", "node_kill")
+        target = "hub" if on_hub else rng.choice(devices)
+        if busy_until[target] > t or (on_hub and busy_until["hub"] + 15 > t):
+            continue  # still healing from its last fault; hub faults at least 15 s apart
         duration = 0.0 if kind in ("hub_restart", "island_kill") else rng.uniform(0.5, 6.0)
         busy_until[target] = t + duration + 1.0
+        if kind == "node_kill":
+            target = rng.choice(nodes)
         actions.append(Action(round(t, 2), kind, target, round(duration, 2)))
     return actions

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -96,12 +95,8 @@ class ClusterHub(Hub):
         await self.nodes[node].start(timeout=60)
 
     async def stop(self, node: str) -> None:
-        """Stop one node as an upgrade would: lame-duck mode, then wait for it to exit."""
-        proc = self.nodes[node].proc
-        assert proc is not None
-        proc.send_signal(signal.SIGUSR2)
-        await asyncio.to_thread(proc.wait, 60)
-        self.nodes[node].proc = None
+        """Stop one node as an upgrade would (SIGTERM: JetStream flushes and leaves)."""
+        await self.nodes[node].stop()
 
     async def restart(self) -> None:
         """A hub restart, in the cluster: every node SIGKILLed, then all started again."""

@@ -1,0 +1,91 @@
+"""The hub on a three-node JetStream cluster: a node SIGKILLed while devices publish and
+commands flow, and every node restarted in turn as an upgrade does, lose nothing, store
+nothing twice and run no command twice; the fleet report works with a node down.
+
+The devices are real agents (subprocesses) whose ``hub.urls`` list every node, each
+producing numbered telemetry; the verification is the chaos suite's (`tests.chaos.runner`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hub_ingest.auth import sync_users
+from hub_ingest.registry import Registry
+from tests.chaos.runner import Chaos, Outcome
+from tests.chaos.schedule import Action
+from tests.support.hubcluster import ClusterHub
+
+pytestmark = pytest.mark.slow
+
+
+def _commands(start: float, end: float, every: float) -> list[Action]:
+    targets = ("a", "b", "c", "all")
+    count = int((end - start) / every)
+    return [
+        Action(round(start + i * every, 2), "command", targets[i % len(targets)], 0.0)
+        for i in range(count)
+    ]
+
+
+async def _run(hub: ClusterHub, root: Path, faults: list[Action]) -> Outcome:
+    schedule = sorted([*faults, *_commands(1.0, 30.0, 1.5)], key=lambda a: a.at)
+    chaos = Chaos(hub, root, seed=0, faults=len(faults), schedule=schedule)
+    try:
+        await chaos.setup()
+        outcome = await chaos.run()
+    finally:
+        chaos.close()
+    print(outcome.summary())  # shown with -s, and on failure
+    return outcome
+
+
+def _assert_exact(outcome: Outcome) -> None:
+    summary = outcome.summary()
+    assert outcome.produced == outcome.at_hub and min(outcome.produced.values()) > 0, summary
+    assert (outcome.duplicates, outcome.losses, outcome.out_of_order) == (0, 0, 0), summary
+    assert outcome.commands_sent > 0 and outcome.double_runs == 0, summary
+    assert (outcome.missing_results, outcome.extra_results) == (0, 0), summary
+
+
+@pytest.mark.timeout(600)
+async def test_hub_nodes_killed_while_devices_publish_lose_nothing(
+    cluster_hub: ClusterHub, tmp_path: Path
+) -> None:
+    """The node every device's link proxy leads to is SIGKILLed for 10 s (the links move to
+    the other two), then the leader of the telemetry aggregate for 5 s."""
+    outcome = await _run(
+        cluster_hub,
+        tmp_path,
+        [Action(4.0, "node_kill", "hub-1", 10.0), Action(20.0, "node_kill", "leader", 5.0)],
+    )
+    _assert_exact(outcome)
+    assert outcome.faults["node_kill"] == 2 and outcome.reports == 2, outcome.summary()
+
+
+@pytest.mark.timeout(600)
+async def test_a_rolling_restart_of_every_hub_node_loses_nothing(
+    cluster_hub: ClusterHub, tmp_path: Path
+) -> None:
+    """Each node stopped and started in turn, the next only once every stream is current
+    again on all three, while devices publish and commands flow."""
+    outcome = await _run(cluster_hub, tmp_path, [Action(3.0, "rolling_restart", "hub", 0.0)])
+    _assert_exact(outcome)
+    assert outcome.faults["rolling_restart"] == 1, outcome.summary()
+
+
+async def test_each_node_keeps_its_users_file_in_line_with_the_registry(
+    cluster_hub: ClusterHub,
+) -> None:
+    """`device add` on one machine reloads only the nodes there; `hub-ingest watch` beside
+    each other node rewrites that node's users file from the registry and reloads it."""
+    await cluster_hub.register("d1")
+    users = cluster_hub.config.server.auth_file
+    users.write_text("# an older users file, as on a machine `device add` did not run on\n")
+    registry = await Registry.open(cluster_hub.js)
+    key = (await registry.get("d1")).nkey
+    assert await sync_users(cluster_hub.js, cluster_hub.config)
+    assert key in users.read_text()
+    assert not await sync_users(cluster_hub.js, cluster_hub.config)  # already in line
