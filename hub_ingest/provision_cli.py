@@ -82,7 +82,7 @@ async def _watch(config: HubConfig) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    monitor = Monitor(monitor_url(config))
+    monitor = Monitor(monitor_url(config.server))
     async with hub_connection(config, name="hub-ingest-watch") as nc:
         js = nc.jetstream(domain=config.nats.domain)
         async with asyncio.TaskGroup() as tasks:

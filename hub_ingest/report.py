@@ -24,6 +24,7 @@ import asyncio
 import base64
 import binascii
 import json
+import urllib.parse
 import urllib.request
 from collections import Counter
 from collections.abc import Iterable, Mapping
@@ -40,7 +41,7 @@ from edge_agent.protocol.names import command_stream, island_name, js_api
 from edge_agent.protocol.units import format_time, parse_time
 from hub_ingest.attribution import Attribution, attribute
 from hub_ingest.command_index import CommandIndex, Tally, json_object, read_range
-from hub_ingest.config import HubConfig
+from hub_ingest.config import HubConfig, ServerConfig
 from hub_ingest.errors import ReportError
 from hub_ingest.provision import AGGREGATES, mirror_name
 from hub_ingest.registry import Device, Incarnation
@@ -231,11 +232,36 @@ def leaf_names(base_url: str, timeout: float = 5.0) -> set[str]:
     return {str(leaf.get("name")) for leaf in leafz.get("leafs") or []}
 
 
-def monitor_url(config: HubConfig) -> str:
-    host, _, port = config.server.monitor_listen.rpartition(":")
+def monitor_url(server: ServerConfig, route: str | None = None) -> str:
+    """Where `server`'s monitoring endpoint answers; a cluster node listening everywhere is
+    reached at its route's host (loopback for a single server)."""
+    host, _, port = server.monitor_listen.rpartition(":")
     if host in ("0.0.0.0", "::", "[::]", ""):
-        host = "127.0.0.1"  # listening everywhere: loopback reaches it from the hub itself
+        host = "127.0.0.1"
+        if route is not None:
+            host = urllib.parse.urlsplit(route).hostname or host
     return f"http://{host}:{port}"
+
+
+def monitor_urls(config: HubConfig) -> dict[str, str]:
+    """Every hub server's monitoring endpoint, by server name."""
+    if config.cluster is None:
+        return {config.server.server_name: monitor_url(config.server)}
+    return {n.name: monitor_url(n.server, n.route) for n in config.cluster.nodes}
+
+
+def linked_leaves(urls: Iterable[str], warnings: list[str]) -> set[str] | None:
+    """The leaf nodes linked to any of the hub's servers (a leaf is linked to one); None when
+    no server answered. A server that does not answer is named in `warnings`."""
+    leaves: set[str] = set()
+    answered = False
+    for url in urls:
+        try:
+            leaves |= leaf_names(url)
+            answered = True
+        except ReportError as exc:
+            warnings.append(f"link state unknown: {exc}")
+    return leaves if answered else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -403,13 +429,8 @@ async def collect_report(
     warnings: list[str] = []
     now = datetime.now(UTC)
 
-    try:
-        leaves: set[str] | None = await asyncio.to_thread(
-            leaf_names, monitor or monitor_url(config)
-        )
-    except ReportError as exc:
-        leaves = None
-        warnings.append(f"link state unknown: {exc}")
+    urls = [monitor] if monitor else list(monitor_urls(config).values())
+    leaves = await asyncio.to_thread(linked_leaves, urls, warnings)
 
     names = sorted({a.stream_name(d.shard) for d in devices for a in AGGREGATES})
     infos = {name: await api.stream_info(name) for name in names}

@@ -36,7 +36,9 @@ def register(sub: Any) -> None:
         help="flag devices not heard from for longer than this (default 24h)",
     )
     p.add_argument(
-        "--monitor-url", help="the hub's monitoring endpoint (default: from server.monitor_listen)"
+        "--monitor-url",
+        help="the hub's monitoring endpoint (default: every hub server's, from "
+        "server.monitor_listen or each [[cluster.nodes]] entry)",
     )
     p.set_defaults(handler=lambda config, args: asyncio.run(_report(config, args)))
 

@@ -260,12 +260,14 @@ class Chaos:
             await eventually(hub.current, timeout=120, interval=0.5, what=f"{node} current")
 
     async def _report(self) -> bool:
-        """The fleet report, as `hub-ingest report` makes it: it must list every device."""
+        """The fleet report, as `hub-ingest report` makes it: it must list every device, each
+        linked (to one of the nodes still up)."""
         registry = await Registry.open(self.hub.js)
         report = await collect_report(
             self.hub.nc, self.hub.config, await registry.list(), silent_after=3600
         )
-        return {d.device_id for d in report.devices} == set(self.nodes)
+        listed = {d.device_id for d in report.devices} == set(self.nodes)
+        return listed and all(d.link_connected for d in report.devices)
 
     async def _command(self, target: str) -> None:
         envelope = new_envelope(target, "exec", {}, ttl=3600)

@@ -1,6 +1,8 @@
-"""The chaos run: three devices produce while links, agents, islands and the hub fail.
+"""The chaos run: three devices produce while links, agents, islands and the hub fail; and
+again on a three-node hub cluster, whose nodes are SIGKILLed one at a time among the faults.
 
-``CHAOS_SEED=<n>`` replays a run's schedule; ``CHAOS_FAULTS`` changes its length.
+``CHAOS_SEED=<n>`` replays a run's schedule; ``CHAOS_FAULTS`` (``CHAOS_CLUSTER_FAULTS``)
+changes its length.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import pytest
 from tests.chaos.runner import Chaos
 from tests.chaos.schedule import seed_from_env
 from tests.support.cluster import Hub
+from tests.support.hubcluster import ClusterHub
 
 pytestmark = pytest.mark.slow
 
@@ -37,6 +40,30 @@ async def test_nothing_lost_nothing_twice_under_chaos(
     with capsys.disabled():
         print(summary)
     assert sum(outcome.faults.values()) >= 30, summary
+    assert outcome.produced == outcome.at_hub and min(outcome.produced.values()) > 0, summary
+    assert (outcome.duplicates, outcome.losses, outcome.out_of_order) == (0, 0, 0), summary
+    assert outcome.commands_sent > 0 and outcome.double_runs == 0, summary
+    assert (outcome.missing_results, outcome.extra_results) == (0, 0), summary
+
+
+@pytest.mark.timeout(600)
+async def test_nothing_lost_nothing_twice_under_chaos_on_a_hub_cluster(
+    cluster_hub: ClusterHub, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The same guarantees with the hub on three nodes, one of them SIGKILLed now and then
+    (a fleet report is taken while it is down) among cuts and agent and island kills."""
+    seed = seed_from_env()
+    faults = int(os.environ.get("CHAOS_CLUSTER_FAULTS", "14"))
+    chaos = Chaos(cluster_hub, tmp_path, seed, faults=faults)
+    try:
+        await chaos.setup()
+        outcome = await chaos.run()
+    finally:
+        chaos.close()
+    summary = outcome.summary()
+    with capsys.disabled():
+        print(f"\n{summary}")
+    assert outcome.faults["node_kill"] >= 1 and outcome.reports == outcome.faults["node_kill"]
     assert outcome.produced == outcome.at_hub and min(outcome.produced.values()) > 0, summary
     assert (outcome.duplicates, outcome.losses, outcome.out_of_order) == (0, 0, 0), summary
     assert outcome.commands_sent > 0 and outcome.double_runs == 0, summary
