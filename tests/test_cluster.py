@@ -8,15 +8,18 @@ producing numbered telemetry; the verification is the chaos suite's (`tests.chao
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from hub_ingest.auth import sync_users
-from hub_ingest.registry import Registry
+from hub_ingest.provision import provision, stream_names
+from hub_ingest.registry import Device, Registry
 from tests.chaos.runner import Chaos, Outcome
 from tests.chaos.schedule import Action
-from tests.support.hubcluster import ClusterHub
+from tests.support.hubcluster import ClusterHub, start_cluster_hub
+from tests.support.waiting import RESUME_TIMEOUT, eventually
 
 pytestmark = pytest.mark.slow
 
@@ -89,3 +92,43 @@ async def test_each_node_keeps_its_users_file_in_line_with_the_registry(
     assert await sync_users(cluster_hub.js, cluster_hub.config)
     assert key in users.read_text()
     assert not await sync_users(cluster_hub.js, cluster_hub.config)  # already in line
+
+
+@pytest.mark.timeout(300)
+async def test_provision_raises_the_replica_count_of_existing_streams_in_place(
+    tmp_path: Path,
+) -> None:
+    """A hub whose streams were made with one replica (a single hub grown into a cluster)
+    gets three of each from `provision`; what they hold stays and devices keep flowing."""
+    hub = await start_cluster_hub(tmp_path, replicas=1)
+    try:
+        a = await hub.device("a", register_when_ready=True)
+        for i in range(5):
+            await a.js.publish("tele.temp", f"r{i}".encode())
+        mirror = await eventually(lambda: hub.mirror("a"), timeout=30, what="a's mirror")
+        await eventually(lambda: _holds(hub, mirror, 5), timeout=RESUME_TIMEOUT, what="5")
+        assert (await hub.js.stream_info(mirror)).config.num_replicas == 1
+
+        assert hub.config.cluster is not None
+        hub.config = replace(hub.config, cluster=replace(hub.config.cluster, replicas=3))
+        changed = {r.name for r in await provision(hub.js, hub.config, await _devices(hub))}
+        assert {"COMMANDS", "CMD_a", mirror, "FLEET_TELEMETRY", "KV_FLEET_DEVICES"} <= changed
+        await eventually(hub.current, timeout=60, what="every replica current")
+        for name in await stream_names(hub.js):
+            assert (await hub.js.stream_info(name)).config.num_replicas == 3, name
+        await a.js.publish("tele.temp", b"r5")
+        await eventually(lambda: _holds(hub, mirror, 6), timeout=RESUME_TIMEOUT, what="6")
+        aggregate = await eventually(
+            lambda: _holds(hub, "FLEET_TELEMETRY", 6), timeout=RESUME_TIMEOUT, what="aggregate"
+        )
+        assert aggregate
+    finally:
+        await hub.close()
+
+
+async def _holds(hub: ClusterHub, stream: str, count: int) -> bool:
+    return (await hub.js.stream_info(stream)).state.messages >= count
+
+
+async def _devices(hub: ClusterHub) -> list[Device]:
+    return await (await Registry.open(hub.js)).list()
