@@ -1,7 +1,8 @@
 """Idempotent creation of the hub's streams.
 
 - ``COMMANDS`` listens on ``cmd.>``; ``CMD_<id>`` sources each device's slice of it
-  (``cmd.<id>.>`` and ``cmd.all.>``), and the device mirrors ``CMD_<id>``.
+  (``cmd.<id>.>`` and ``cmd.all.>``) from the device's enrolment on, and the device mirrors
+  ``CMD_<id>``.
 - ``EDGE_TELEMETRY_<id>_<incarnation>`` and ``EDGE_EVENTS_<id>_<incarnation>`` *mirror* each
   incarnation of a device's ``TELEMETRY`` / ``EVENTS`` through ``$JS.<device-domain>.API``,
   bound to the durable consumer the device made for that incarnation: the only hop over the
@@ -49,6 +50,7 @@ from edge_agent.protocol.names import (
     island_deliver_subject,
 )
 from edge_agent.protocol.reconcile import Reconciled, mirror_consumer, reconcile_stream
+from edge_agent.protocol.units import parse_time
 from hub_ingest.config import HubConfig
 from hub_ingest.errors import ProvisionError
 from hub_ingest.registry import BUCKET, Device, Incarnation, Registry
@@ -142,6 +144,9 @@ def device_commands(config: HubConfig, device: Device) -> StreamConfig:
         sources=[
             StreamSource(
                 name=HUB_COMMANDS,
+                # From its enrolment on: a device enrolled today must not run the broadcasts
+                # of last week (COMMANDS keeps them for commands.max_age).
+                opt_start_time=parse_time(device.added_at),
                 subject_transforms=[
                     SubjectTransform(src=f, dest=f) for f in command_filters(device.device_id)
                 ],

@@ -12,11 +12,13 @@ import pytest
 from nats.js.api import StreamConfig
 
 from hub_ingest.auth import ensure_operator_key, public_key
+from hub_ingest.commands import new_envelope, send
 from hub_ingest.errors import RegistryError
 from hub_ingest.localfleet import write_hub_toml
 from hub_ingest.provision import provision, stream_names, subjects_overlap
 from hub_ingest.registry import Incarnation, Registry
 from tests.support.cluster import NATS_SERVER, Hub, run_cli, start_hub
+from tests.support.waiting import eventually
 
 
 async def _sources(hub: Hub, stream: str) -> list[dict[str, object]]:
@@ -257,3 +259,31 @@ def test_subject_overlap_follows_nats_wildcards() -> None:
     assert not subjects_overlap("tele", "tele.>")
     assert not subjects_overlap("tele.a", "tele.b")
     assert not subjects_overlap("tele.*", "tele.a.b")
+
+
+async def test_a_device_enrolled_after_a_broadcast_does_not_receive_it(hub: Hub) -> None:
+    """`CMD_<id>` sources `COMMANDS` from the device's enrolment on: a broadcast sent before
+    it was enrolled is not its to run, one sent after is; provisioning again (also over a
+    `CMD_<id>` of an earlier version, sourced from the start) copies nothing twice."""
+    await hub.register("early")
+    await send(hub.js, new_envelope("all", "noop", {}, ttl=3600))
+    await eventually(lambda: _holds(hub, "CMD_early", 1), timeout=30, what="first broadcast")
+    await hub.register("late")
+    await send(hub.js, new_envelope("all", "noop", {}, ttl=3600))
+    await eventually(lambda: _holds(hub, "CMD_late", 1), timeout=30, what="second broadcast")
+    await eventually(lambda: _holds(hub, "CMD_early", 2), timeout=30, what="both at early")
+    # A CMD_<id> made before sources started at enrolment gets the start time in place.
+    old = (await hub.js.stream_info("CMD_early")).config
+    assert old.sources is not None
+    sources = [replace(source, opt_start_time=None) for source in old.sources]
+    await hub.js.update_stream(replace(old, sources=sources))
+    await hub.provision()
+    await send(hub.js, new_envelope("all", "noop", {}, ttl=3600))
+    await eventually(lambda: _holds(hub, "CMD_early", 3), timeout=30, what="third at early")
+    await eventually(lambda: _holds(hub, "CMD_late", 2), timeout=30, what="third at late")
+    for stream, count in (("CMD_early", 3), ("CMD_late", 2)):
+        assert (await hub.js.stream_info(stream)).state.messages == count, stream
+
+
+async def _holds(hub: Hub, stream: str, count: int) -> bool:
+    return (await hub.js.stream_info(stream)).state.messages >= count
