@@ -148,11 +148,16 @@ async def reload_server(config: HubConfig, timeout: float = 30.0) -> bool:
     """Ask each hub server running on this machine (its pid file is here) to re-read its
     config; False if none does. The other nodes of a cluster re-read theirs when their own
     ``hub-ingest watch`` sees the registry change."""
-    reloaded = [await _reload(server, timeout) for server in config.servers]
+    if config.cluster is None:
+        return await _reload(config.server, "server.monitor_listen", timeout)
+    reloaded = [
+        await _reload(n.server, f"cluster.nodes[{n.name}].monitor_listen", timeout)
+        for n in config.cluster.nodes
+    ]
     return any(reloaded)
 
 
-async def _reload(server: ServerConfig, timeout: float) -> bool:
+async def _reload(server: ServerConfig, key: str, timeout: float) -> bool:
     """A reload under load can take well over 10 s (nats-server issue #4630; CI saw one miss a
     10 s deadline), hence the generous `timeout`."""
     try:
@@ -181,6 +186,6 @@ async def _reload(server: ServerConfig, timeout: float) -> bool:
     except MonitorUnavailable as exc:
         raise HubUnreachableError(
             f"cannot reload the hub's nats-server {server.server_name} (pid {pid}): its "
-            f"monitoring endpoint {server.monitor_listen} does not answer ({exc})"
+            f"monitoring endpoint {key} = {server.monitor_listen} does not answer ({exc})"
         ) from None
     return True

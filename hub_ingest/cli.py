@@ -1,4 +1,5 @@
-"""``hub-ingest`` command line. Exit codes: 0 ok, 1 check failed, 2 usage or config error.
+"""``hub-ingest`` command line. Exit codes: 0 ok, 1 check failed, 2 usage or config error,
+3 the hub cannot be reached.
 
 Each subcommand lives beside the code it drives: a module in `COMMAND_MODULES` exposes
 ``register(subparsers)``, which adds its parser and sets ``handler(config, args) -> int``.
@@ -17,9 +18,9 @@ import nats.errors
 from edge_agent.protocol.logs import configure_logging
 from hub_ingest import commands_cli, devices_cli, ingest_cli, provision_cli, report_cli
 from hub_ingest.config import DEFAULT_CONFIG_PATH, load_hub_config
-from hub_ingest.errors import ConfigError, HubIngestError
+from hub_ingest.errors import ConfigError, HubIngestError, HubUnreachableError
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
 DAEMONS = ("run", "watch")
 COMMAND_MODULES = (provision_cli, devices_cli, report_cli, ingest_cli, commands_cli)
 
@@ -52,12 +53,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"hub-ingest: config error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except HubUnreachableError as exc:
+        print(f"hub-ingest: {exc}", file=sys.stderr)
+        return EXIT_UNREACHABLE
     except HubIngestError as exc:
         print(f"hub-ingest: {exc}", file=sys.stderr)
         return EXIT_FAILED
     except (nats.errors.Error, OSError, TimeoutError) as exc:
         print(f"hub-ingest: cannot reach the hub: {exc or type(exc).__name__}", file=sys.stderr)
-        return EXIT_FAILED
+        return EXIT_UNREACHABLE
     return code
 
 

@@ -113,7 +113,7 @@ async def test_hub_reload_without_its_monitoring_endpoint_is_one_line(
         result = await asyncio.to_thread(
             run_cli, "hub_ingest", "-c", str(config), "device", "add", "z"
         )
-        assert result.returncode == 1
+        assert result.returncode == 3  # the hub cannot be reached
         assert "Traceback" not in result.stderr
         assert "server.monitor_listen" in result.stderr and "does not answer" in result.stderr
     finally:
@@ -122,15 +122,16 @@ async def test_hub_reload_without_its_monitoring_endpoint_is_one_line(
 
 
 async def test_report_json_with_the_hub_down_keeps_stdout_clean(hub: Hub, tmp_path: Path) -> None:
-    """Connection errors are logged on stderr: stdout holds only what `--json` prints."""
+    """Connection errors are logged on stderr: stdout holds only what `--json` prints; the
+    exit code is 3 (the hub cannot be reached), said in one last line."""
     config = write_hub_toml(hub.config, tmp_path / "hub.toml")
     config.write_text(config.read_text().replace(hub.url, f"nats://127.0.0.1:{free_port()}"))
     result = await asyncio.to_thread(
         run_cli, "hub_ingest", "-c", str(config), "report", "--json", timeout=120
     )
-    assert result.returncode != 0
+    assert result.returncode == 3
     assert result.stdout == ""
-    assert "cannot connect to the hub" in result.stderr
+    assert result.stderr.splitlines()[-1].startswith("hub-ingest: cannot connect to the hub")
 
 
 def test_render_refuses_a_nats_server_older_than_supported(tmp_path: Path) -> None:
