@@ -191,6 +191,10 @@ def _positive_size(value: object) -> int:
     return size
 
 
+# Each stream's share of island.max_file_store (per cent) when its max_bytes is not given.
+_BUDGET_SHARES = {"telemetry": 70, "events": 15, "commands": 5}
+
+
 def _budget(section: Section, max_bytes: int) -> StreamBudget:
     budget = StreamBudget(
         max_bytes=section.get("max_bytes", parse_size, max_bytes),
@@ -263,10 +267,13 @@ def parse_config(data: dict[str, Any], source: Path | None = None) -> Config:
     # Default budgets split the store; each stream's max_bytes is reserved in JetStream, so
     # telemetry filling up can never evict events, results or commands.
     total = island.max_file_store
+    tables = {name: streams_sec.table(name) for name in _BUDGET_SHARES}
+    explicit = {name: table.has("max_bytes") for name, table in tables.items()}
     streams = StreamsConfig(
-        telemetry=_budget(streams_sec.table("telemetry"), total * 70 // 100),
-        events=_budget(streams_sec.table("events"), total * 15 // 100),
-        commands=_budget(streams_sec.table("commands"), total * 5 // 100),
+        **{
+            name: _budget(tables[name], total * share // 100)
+            for name, share in _BUDGET_SHARES.items()
+        }
     )
     streams_sec.finish()
     budgets = streams.telemetry.max_bytes + streams.events.max_bytes + streams.commands.max_bytes
@@ -275,9 +282,17 @@ def parse_config(data: dict[str, Any], source: Path | None = None) -> Config:
             "streams",
             f"budgets add up to {budgets} bytes, more than island.max_file_store ({total})",
         )
-    for name in ("telemetry", "events", "commands"):
-        if getattr(streams, name).max_bytes <= 0:
+    for name, share in _BUDGET_SHARES.items():
+        if getattr(streams, name).max_bytes > 0:
+            continue
+        if explicit[name]:
             raise ConfigError(f"streams.{name}.max_bytes", "must be > 0")
+        # A derived budget: name the key the user wrote.
+        raise ConfigError(
+            "island.max_file_store",
+            f"{total} bytes leaves streams.{name} ({share} % of it) nothing: raise it, or "
+            f"set streams.{name}.max_bytes",
+        )
 
     cmd_sec = root.table("commands")
     commands = CommandsConfig(

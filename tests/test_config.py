@@ -132,3 +132,35 @@ def test_render_command_writes_checked_file_for_owner_only(tmp_path: Path) -> No
     assert main(["-c", str(path), "render-nats-config", "-o", str(out)]) == 0
     assert 'server_name: "edge-d1"' in out.read_text()
     assert out.stat().st_mode & 0o777 == 0o600
+
+
+@pytest.mark.parametrize(
+    ("written", "size"),
+    [
+        ("2G", 2 * 1000**3),
+        ("2GB", 2 * 1024**3),
+        ("2Gi", 2 * 1024**3),
+        ("2GiB", 2 * 1024**3),
+        ("512M", 512 * 1000**2),
+        ("512mb", 512 * 1024**2),
+        ("1048576", 1048576),
+    ],
+)
+def test_sizes_mean_what_nats_server_reads_them_as(written: str, size: int) -> None:
+    """nats-server's config takes "2G" as 2 * 10**9 and "2GB" as 2 GiB (conf/parse.go):
+    the same spelling means the same size in the agent's and the hub's configs."""
+    config = parse_config(
+        {
+            "device_id": "d1",
+            "island": {"max_file_store": written},
+            "hub": {"urls": ["nats-leaf://h:7422"]},
+        }
+    )
+    assert config.island.max_file_store == size
+
+
+def test_a_derived_budget_too_small_names_the_key_that_was_written(tmp_path: Path) -> None:
+    """A store too small for the default budgets is an error about island.max_file_store,
+    the key the user wrote, not about a stream budget they never set."""
+    with pytest.raises(ConfigError, match=r"^island\.max_file_store: 10 bytes leaves streams"):
+        load_config(_write(tmp_path, MINIMAL.replace('"1GiB"', '"10B"')))

@@ -5,24 +5,17 @@ from __future__ import annotations
 import re
 from datetime import UTC, datetime
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
-_SIZE_FACTORS = {
-    "b": 1,
-    "kb": 1000,
-    "mb": 1000**2,
-    "gb": 1000**3,
-    "tb": 1000**4,
-    "kib": 1024,
-    "mib": 1024**2,
-    "gib": 1024**3,
-    "tib": 1024**4,
-}
+# nats-server's own spellings, with its meanings: "2G" is 2 * 1000**3 and "2GB", "2Gi" and
+# "2GiB" are 2 * 1024**3 (conf/parse.go), so a size means the same here and in its config.
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([KMGTP])(I?B|I)?|B)?\s*$", re.IGNORECASE)
+_SIZE_POWERS = {"k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
 _DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
 _DURATION_FACTORS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
 
 def parse_size(value: object) -> int:
-    """Bytes from an int or a string like ``"2GiB"``, ``"512MB"`` or ``"1024"``."""
+    """Bytes from an int or a string like ``"2GiB"``, ``"512MB"`` (MiB, as nats-server reads
+    it), ``"2G"`` (10**9) or ``"1024"``."""
     if isinstance(value, bool):
         raise ValueError(f'expected size like "2GiB", got {value!r}')
     if isinstance(value, int):
@@ -30,9 +23,10 @@ def parse_size(value: object) -> int:
             raise ValueError(f"expected a size >= 0, got {value}")
         return value
     if isinstance(value, str) and (match := _SIZE_RE.match(value)):
-        number, unit = match.groups()
-        return int(float(number) * _SIZE_FACTORS[(unit or "B").lower()])
-    raise ValueError(f'expected size like "2GiB", got {value!r}')
+        number, prefix, binary = match.groups()
+        power = _SIZE_POWERS[prefix.lower()] if prefix else 0
+        return int(float(number) * (1024 if binary else 1000) ** power)
+    raise ValueError(f'expected size like "2GiB", "2G" or "512MB", got {value!r}')
 
 
 def parse_duration(value: object) -> float:
