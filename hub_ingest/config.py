@@ -20,6 +20,7 @@ from edge_agent.protocol.tomlconf import (
     url_list,
 )
 from edge_agent.protocol.units import parse_duration, parse_size
+from hub_ingest.ddl import DdlError, check_ddl
 from hub_ingest.errors import ConfigError
 
 DEFAULT_CONFIG_PATH = Path("/etc/hub-ingest/hub.toml")
@@ -161,6 +162,20 @@ def _boolean(value: object) -> bool:
     return value
 
 
+def _positive_duration(value: object) -> float:
+    seconds = parse_duration(value)
+    if seconds <= 0:
+        raise ValueError(f"expected a duration > 0, got {value!r}")
+    return seconds
+
+
+def _payload_schema(value: object) -> str:
+    try:
+        return check_ddl(string(value))
+    except DdlError as exc:
+        raise ValueError(f'not Spark column DDL like "temp DOUBLE, unit STRING": {exc}') from None
+
+
 def _catalog_uri(value: object) -> str:
     uri = string(value)
     if not uri.startswith(("sqlite:///", "postgresql", "mysql", "http://", "https://")):
@@ -226,11 +241,11 @@ def _parse(data: dict[str, Any], source: Path | None) -> HubConfig:
         table=ing.get("table", _table_name, "hub.archive"),
         checkpoint=ing.get("checkpoint", path, state_dir / "checkpoint"),
         master=ing.get("master", string, "local[*]"),
-        trigger_interval=ing.get("trigger_interval", parse_duration, 10.0),
+        trigger_interval=ing.get("trigger_interval", _positive_duration, 10.0),
         max_messages_per_trigger=ing.get("max_messages_per_trigger", positive_int, 500_000),
         messages_per_partition=ing.get("messages_per_partition", positive_int, 50_000),
         fail_on_data_loss=ing.get("fail_on_data_loss", _boolean, True),
-        payload_schema=ing.get("payload_schema", string, None),
+        payload_schema=ing.get("payload_schema", _payload_schema, None),
         clock_tolerance=ing.get("clock_tolerance", parse_duration, 120.0),
         compact_after_run=ing.get("compact_after_run", _boolean, False),
         keep_snapshots=ing.get("keep_snapshots", parse_duration, 86400.0),
