@@ -26,6 +26,7 @@ from edge_agent.island import (
     write_config,
 )
 from edge_agent.outbox import Outbox, check_subject
+from edge_agent.protocol.cliconfig import config_option
 from edge_agent.protocol.logs import configure_logging
 from edge_agent.protocol.monitor import Monitor
 from edge_agent.protocol.natsserver import check_version, resolve_nats_server
@@ -39,13 +40,6 @@ EXIT_RESTART = 75
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="edge-agent", description=__doc__)
     parser.add_argument("--version", action="version", version=__version__)
-    parser.add_argument(
-        "-c",
-        "--config",
-        type=Path,
-        default=Path(os.environ.get("EDGE_AGENT_CONFIG", DEFAULT_CONFIG_PATH)),
-        help="agent config file (default: $EDGE_AGENT_CONFIG or %(default)s)",
-    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="run the agent until SIGTERM")
@@ -101,6 +95,8 @@ def _parser() -> argparse.ArgumentParser:
         which = dead.add_parser(action, help=f"{text}: the rows named, or all")
         which.add_argument("ids", nargs="*", type=int, metavar="ID", help="dead letter ids")
         which.add_argument("--all", action="store_true", help="every dead letter")
+    default = Path(os.environ.get("EDGE_AGENT_CONFIG", DEFAULT_CONFIG_PATH))
+    config_option(parser, default, "EDGE_AGENT_CONFIG", "agent")
     return parser
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import nats.errors
 
+from edge_agent.protocol.cliconfig import config_option
 from edge_agent.protocol.logs import configure_logging
 from hub_ingest import commands_cli, devices_cli, ingest_cli, provision_cli, report_cli
 from hub_ingest.config import DEFAULT_CONFIG_PATH, load_hub_config
@@ -27,17 +28,12 @@ COMMAND_MODULES = (provision_cli, devices_cli, report_cli, ingest_cli, commands_
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hub-ingest", description=__doc__)
-    parser.add_argument(
-        "-c",
-        "--config",
-        type=Path,
-        default=Path(os.environ.get("HUB_INGEST_CONFIG", DEFAULT_CONFIG_PATH)),
-        help="hub config file (default: $HUB_INGEST_CONFIG or %(default)s)",
-    )
     parser.add_argument("--log-level", default="warning")
     sub = parser.add_subparsers(dest="command", required=True)
     for module in COMMAND_MODULES:
         module.register(sub)
+    default = Path(os.environ.get("HUB_INGEST_CONFIG", DEFAULT_CONFIG_PATH))
+    config_option(parser, default, "HUB_INGEST_CONFIG", "hub")
     return parser
 
 

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from hub_ingest.auth import new_seed
 from hub_ingest.localfleet import write_hub_toml
 from tests.support.cluster import NATS_SERVER, Hub, free_port, run_cli
@@ -162,3 +164,24 @@ def test_render_refuses_a_nats_server_older_than_supported(tmp_path: Path) -> No
     current = run_cli("hub_ingest", "-c", str(hub_toml), "render-nats-config", "-o", "-")
     assert current.returncode == 0, current.stderr
     assert "jetstream" in current.stdout
+
+
+@pytest.mark.parametrize(
+    ("module", "argv"),
+    [
+        ("hub_ingest", ["device", "list"]),
+        ("hub_ingest", ["device", "add", "--from", "-"]),
+        ("hub_ingest", ["command", "status", "x"]),
+        ("hub_ingest", ["report", "--json"]),
+        ("edge_agent", ["status", "--json"]),
+        ("edge_agent", ["dead-letter", "list"]),
+    ],
+)
+def test_config_option_is_taken_after_every_subcommand(
+    tmp_path: Path, module: str, argv: list[str]
+) -> None:
+    """`-c FILE` after the subcommand reads FILE, as before it: the error names that file."""
+    missing = tmp_path / "named-after.toml"
+    result = run_cli(module, "-c", str(tmp_path / "named-before.toml"), *argv, "-c", str(missing))
+    assert result.returncode == 2
+    assert str(missing) in result.stderr and "named-before" not in result.stderr
