@@ -7,6 +7,7 @@ import asyncio
 import json
 import sys
 import time
+from collections.abc import Iterable
 from typing import Any
 
 from hub_ingest.cliargs import duration
@@ -64,11 +65,14 @@ def register(sub: Any) -> None:
         const=DEFAULT_WAIT,
         metavar="SECONDS",
         help=f"print each device's result as it arrives (default {DEFAULT_WAIT:g}s); "
-        "exit 1 if any failed or did not answer",
+        "exit 1 if any failed or did not answer (as command status does)",
     )
     send_p.set_defaults(handler=lambda config, args: asyncio.run(_send(config, args)))
 
-    status_p = actions.add_parser("status", help="per device: pending, ok, error, …")
+    status_p = actions.add_parser(
+        "status",
+        help="per device: pending, ok, error, rejected or expired; exit 0 only when all are ok",
+    )
     status_p.add_argument("command_id")
     status_p.add_argument("--json", action="store_true")
     status_p.set_defaults(handler=lambda config, args: asyncio.run(_status(config, args)))
@@ -91,7 +95,7 @@ async def _send(config: HubConfig, args: argparse.Namespace) -> int:
             await send(js, envelope)
             print(envelope.id, flush=True)
             waiting = {d.device_id for d in devices}
-            failed = False
+            statuses: dict[str, str] = {}
             deadline = time.monotonic() + args.wait
             while waiting and time.monotonic() < deadline:
                 for sender, result in await reader.read(timeout=min(1.0, args.wait)):
@@ -107,11 +111,12 @@ async def _send(config: HubConfig, args: argparse.Namespace) -> int:
                     if device not in waiting:
                         continue
                     waiting.discard(device)
-                    failed |= result.get("status") != "ok"
+                    statuses[device] = str(result.get("status"))
                     print(f"{device:<24} {result.get('status'):<9} {describe(result)}", flush=True)
             for device in sorted(waiting):
+                statuses[device] = "timeout"
                 print(f"{device:<24} {'timeout':<9} no result within {args.wait:g}s")
-        return 1 if failed or waiting else 0
+        return outcome_code(statuses.values())
 
 
 async def _status(config: HubConfig, args: argparse.Namespace) -> int:
@@ -119,9 +124,10 @@ async def _status(config: HubConfig, args: argparse.Namespace) -> int:
         js = nc.jetstream(domain=config.nats.domain)
         devices = await (await Registry.open(js)).list()
         status = await command_status(js, args.command_id, devices, replicas=config.replicas)
+    code = outcome_code(status.per_device().values())
     if args.json:
         print(json.dumps(status.to_dict(), indent=2))
-        return 0
+        return code
     env = status.envelope or {}
     print(
         f"command {args.command_id}  type {env.get('type', '?')}  subject {status.subject or '?'}"
@@ -133,4 +139,11 @@ async def _status(config: HubConfig, args: argparse.Namespace) -> int:
         print(f"{device:<24} {state:<9} {detail}")
     for forged in status.forged:
         print(f"ignored a forged result: {forged}", file=sys.stderr)
-    return 0
+    return code
+
+
+def outcome_code(states: Iterable[str]) -> int:
+    """`send --wait` and `status` alike: 0 when every device answered ok (and there was one
+    to answer), 1 when any failed, was refused, expired or has not answered yet."""
+    states = list(states)
+    return 0 if states and all(state == "ok" for state in states) else 1

@@ -78,9 +78,10 @@ async def test_command_issued_offline_runs_once_after_link_returns(
 
     async def status_ok() -> dict[str, Any] | None:
         out = await _hub_cli(hub, tmp_path, "command", "status", command_id, "--json")
-        assert out.returncode == 0, out.stderr
         body: dict[str, Any] = json.loads(out.stdout)
-        return body if body["devices"]["a"]["status"] == "ok" else None
+        ok = body["devices"]["a"]["status"] == "ok"
+        assert out.returncode == (0 if ok else 1), out.stderr  # as `send --wait` exits
+        return body if ok else None
 
     status = await eventually(status_ok, timeout=60, interval=0.5, what="ok at the hub")
     assert status["devices"]["a"]["result"]["output"]["output"] == "done\n"
@@ -192,7 +193,8 @@ async def test_handler_that_raises_or_hangs_yields_an_error_result(hub: Hub) -> 
 
 
 async def test_send_wait_prints_results_from_every_device(hub: Hub, tmp_path: Path) -> None:
-    """``command send --all --wait`` prints each device's result; ``status`` agrees."""
+    """``command send --all --wait`` prints each device's result; ``status`` agrees, with the
+    same exit code (0 only when every device answered ok)."""
     await hub.device("a", register_when_ready=True)
     await hub.device("b", register_when_ready=True)
     sent = await _hub_cli(hub, tmp_path, "command", "send", "--all", "ping", "--wait", "60")
@@ -218,3 +220,5 @@ async def test_send_wait_prints_results_from_every_device(hub: Hub, tmp_path: Pa
     )
     assert failing.returncode == 1
     assert "rejected" in failing.stdout
+    same = await _hub_cli(hub, tmp_path, "command", "status", failing.stdout.split()[0])
+    assert same.returncode == 1 and "rejected" in same.stdout  # the same exit rule
