@@ -27,7 +27,7 @@ from edge_agent.island import (
 )
 from edge_agent.outbox import Outbox, check_subject
 from edge_agent.protocol.cliconfig import config_option
-from edge_agent.protocol.logs import configure_logging
+from edge_agent.protocol.logs import LOG_LEVELS, configure_logging
 from edge_agent.protocol.monitor import Monitor
 from edge_agent.protocol.natsserver import check_version, resolve_nats_server
 from edge_agent.statedb import StateDB
@@ -38,12 +38,17 @@ EXIT_RESTART = 75
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="edge-agent", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="edge-agent",
+        description="The device's agent: runs its NATS island, buffers what it publishes until "
+        "the hub has it, and runs the hub's commands. Exit codes: 0 ok, 1 unhealthy or a check "
+        "failed, 2 usage or config error.",
+    )
     parser.add_argument("--version", action="version", version=__version__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="run the agent until SIGTERM")
-    run.add_argument("--log-level", default="info")
+    run.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="default: info")
 
     status = sub.add_parser("status", help="island, link, streams and mirror health")
     status.add_argument("--json", action="store_true", help="machine-readable output")

@@ -16,7 +16,7 @@ from pathlib import Path
 import nats.errors
 
 from edge_agent.protocol.cliconfig import config_option
-from edge_agent.protocol.logs import configure_logging
+from edge_agent.protocol.logs import LOG_LEVELS, configure_logging
 from hub_ingest import commands_cli, devices_cli, ingest_cli, provision_cli, report_cli
 from hub_ingest.config import DEFAULT_CONFIG_PATH, load_hub_config
 from hub_ingest.errors import ConfigError, HubIngestError, HubUnreachableError
@@ -27,8 +27,15 @@ COMMAND_MODULES = (provision_cli, devices_cli, report_cli, ingest_cli, commands_
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hub-ingest", description=__doc__)
-    parser.add_argument("--log-level", default="warning")
+    parser = argparse.ArgumentParser(
+        prog="hub-ingest",
+        description="The hub's tools: its streams and nats-server config, enrolling devices, "
+        "commands, the fleet report, and the archive the Spark ingest writes. Exit codes: 0 ok, "
+        "1 a check failed, 2 usage or config error, 3 the hub cannot be reached.",
+    )
+    parser.add_argument(
+        "--log-level", default="warning", choices=LOG_LEVELS, help="default: warning"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     for module in COMMAND_MODULES:
         module.register(sub)

@@ -15,6 +15,7 @@ from nats.js import JetStreamContext
 
 from edge_agent.protocol import errors as protocol
 from edge_agent.protocol.files import write_durably
+from edge_agent.protocol.logs import LOG_LEVELS
 from edge_agent.protocol.monitor import Monitor
 from edge_agent.protocol.natsserver import check_version, resolve_nats_server
 from hub_ingest.auth import sync_users, write_auth
@@ -45,7 +46,12 @@ def register(sub: Any) -> None:
         "watch",
         help="run until stopped: notice re-imaged devices (new incarnations) and mirror them",
     )
-    w.add_argument("--log-level", default="info", help="each new incarnation is logged at info")
+    w.add_argument(
+        "--log-level",
+        default="info",
+        choices=LOG_LEVELS,
+        help="default: info (each new incarnation is logged at info)",
+    )
     w.add_argument("--node", help="on a cluster: the node this runs beside (it watches its links)")
     w.set_defaults(handler=lambda config, args: asyncio.run(_watch(config.for_node(args.node))))
     r = sub.add_parser(

@@ -16,6 +16,7 @@ import structlog
 
 # Libraries that narrate their normal work at INFO; their warnings still come through.
 _CHATTY = ("py4j", "pyspark", "asyncio")
+LOG_LEVELS = ("debug", "info", "warning", "error")  # what --log-level takes
 
 
 def configure_logging(
