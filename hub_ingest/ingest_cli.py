@@ -23,7 +23,11 @@ from hub_ingest.table import location as table_location
 def register(sub: Any) -> None:
     r = sub.add_parser("run", help="archive the aggregate streams into Parquet with Spark")
     r.add_argument("--once", action="store_true", help="archive what is there now, then exit")
-    r.add_argument("--master", help="Spark master URL (default: ingest.master, local[*])")
+    r.add_argument(
+        "--master",
+        help="Spark master URL, e.g. spark://host:7077 (default: spark-submit's, else "
+        "ingest.master, local[*])",
+    )
     r.add_argument("--log-level", default="info", help="progress is logged at info")
     r.set_defaults(handler=_run)
     a = sub.add_parser("audit", help="check the archive: duplicates, gaps, unarchived messages")

@@ -70,14 +70,20 @@ class IngestSummary:
         return sum(b.rows for b in self.batches)
 
 
-def spark_session(master: str) -> SparkSession:
-    """A session with the ``jetstream`` format registered; the caller stops it."""
-    # Executors must run this interpreter (the venv with nats-py); otherwise the only error
-    # is "Python worker failed to connect back".
+def spark_session(master: str | None) -> SparkSession:
+    """A session with the ``jetstream`` format registered; the caller stops it.
+
+    `master` None: the one spark-submit was given (the session joins the JVM it started).
+    """
+    # Executors run the interpreter at this path (on a cluster: the same venv path on every
+    # worker); without nats-py and this package the only error is "Python worker failed to
+    # connect back". Under spark-submit, spark.pyspark.python has set it already.
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
-    builder = SparkSession.builder.master(master)
-    if master.startswith("local"):
+    builder = SparkSession.builder
+    if master is not None:
+        builder = builder.master(master)
+    if master is not None and master.startswith("local"):
         # Everything runs in this process: keep the driver on loopback, not on whatever
         # address the host name resolves to.
         os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
@@ -118,11 +124,15 @@ def archive_rows(spark: SparkSession, config: HubConfig, streams: list[str]) -> 
         .option("domain", config.nats.domain)
         .option("maxMessagesPerTrigger", str(ingest.max_messages_per_trigger))
         .option("messagesPerPartition", str(ingest.messages_per_partition))
+        # Executor cores (spark.default.parallelism when set): a small batch is cut so that
+        # every core reads a share of it.
+        .option("minPartitions", str(spark.sparkContext.defaultParallelism))
         .option("failOnDataLoss", str(ingest.fail_on_data_loss).lower())
         .option("clockTolerance", str(ingest.clock_tolerance))
     )
     if config.nats.credentials is not None:
-        reader = reader.option("credentials", str(config.nats.credentials))
+        # Opened on every executor, whose working directory is its worker's, not ours.
+        reader = reader.option("credentials", str(config.nats.credentials.absolute()))
     rows = reader.load().withColumn("ingested_at", F.current_timestamp())
     if ingest.payload_schema:
         typed = _payload_schema(ingest.payload_schema)
@@ -225,7 +235,8 @@ def _refuse_parquet_archive(archive: Path) -> None:
 
 
 def run(config: HubConfig, *, once: bool, master: str | None, stop: threading.Event) -> int:
-    spark = spark_session(master or config.ingest.master)
+    """`master`: ``run --master``; without it spark-submit's, or else ``ingest.master``."""
+    spark = spark_session(master or (None if under_spark_submit() else config.ingest.master))
     try:
         ingest(spark, config, once=once, stop=stop)
     finally:
@@ -233,6 +244,12 @@ def run(config: HubConfig, *, once: bool, master: str | None, stop: threading.Ev
     if once and config.ingest.compact_after_run:
         maintenance.expire(config.ingest, maintenance.compact(config.ingest))
     return 0
+
+
+def under_spark_submit() -> bool:
+    """Whether spark-submit started this Python, for its JVM (which then holds its --master
+    and --conf): it hands the JVM's gateway over in the environment."""
+    return "PYSPARK_GATEWAY_PORT" in os.environ
 
 
 def _log_progress(progress: Any) -> BatchProgress:

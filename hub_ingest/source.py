@@ -23,12 +23,19 @@ A row whose mirror copy retention has since removed gets a null ``device_time``.
 
 Options (keys arrive lower-cased): ``servers`` (comma-separated URLs), ``credentials``,
 ``streams`` (or ``stream``; comma-separated), ``domain``, ``maxMessagesPerTrigger``,
-``messagesPerPartition``, ``failOnDataLoss``, ``clockTolerance`` (seconds).
+``messagesPerPartition``, ``minPartitions``, ``failOnDataLoss``, ``clockTolerance`` (seconds).
+
+A batch is cut into ranges of at most ``messagesPerPartition`` sequences, and smaller ones
+when that would leave fewer than ``minPartitions`` tasks (the job passes the cluster's
+executor cores: a small batch still keeps every core reading). The ranges are interleaved
+across streams, so that the tasks running at any moment read every aggregate stream (each
+may be led by another hub node) rather than all the first one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -97,6 +104,7 @@ class SourceOptions:
     domain: str | None = None
     max_messages_per_trigger: int | None = None
     messages_per_partition: int = 50_000
+    min_partitions: int = 1
     fail_on_data_loss: bool = True
     clock_tolerance: float = 120.0  # seconds; see `suspect`
 
@@ -128,6 +136,7 @@ class SourceOptions:
             domain=options.get("domain") or None,
             max_messages_per_trigger=count("maxmessagespertrigger"),
             messages_per_partition=count("messagesperpartition") or 50_000,
+            min_partitions=count("minpartitions") or 1,
             fail_on_data_loss=fail == "true",
             clock_tolerance=_seconds(options.get("clocktolerance", "120")),
         )
@@ -231,13 +240,19 @@ class JetStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return {name: max(seq, start.get(name, seq)) for name, seq in end.items()}
 
     def partitions(self, start: dict[str, int], end: dict[str, int]) -> list[SeqRange]:
-        step = self.options.messages_per_partition
-        parts = []
-        for name in sorted(end):
-            first = start.get(name, end[name]) + 1
-            for lo in range(first, end[name] + 1, step):
-                parts.append(SeqRange(name, lo, min(lo + step - 1, end[name])))
-        return parts
+        # A stream new to the query reads nothing in this batch (see `latestOffset`).
+        ranges = {name: (start.get(name, end[name]) + 1, end[name]) for name in sorted(end)}
+        total = sum(max(last - first + 1, 0) for first, last in ranges.values())
+        step = min(
+            self.options.messages_per_partition, _ceil_div(total, self.options.min_partitions)
+        )
+        per_stream = [
+            [SeqRange(name, lo, min(lo + step - 1, last)) for lo in range(first, last + 1, step)]
+            for name, (first, last) in ranges.items()
+        ]
+        # Spark starts tasks in partition order: one range of each stream in turn.
+        waves = itertools.zip_longest(*per_stream)
+        return [part for wave in waves for part in wave if part is not None]
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         assert isinstance(partition, SeqRange)
@@ -252,6 +267,10 @@ class JetStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 def _before(state: StreamState) -> int:
     """The offset just before the oldest message still in the stream."""
     return max(state.first_seq - 1, 0) if state.messages else state.last_seq
+
+
+def _ceil_div(total: int, parts: int) -> int:
+    return max(-(-total // parts), 1)
 
 
 def _share(available: dict[str, int], budget: int | None) -> dict[str, int]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pyarrow as pa
 import pytest
@@ -26,6 +27,7 @@ def test_options_arrive_lower_cased_and_are_checked() -> None:
             "streams": "FLEET_TELEMETRY,FLEET_EVENTS",
             "maxmessagespertrigger": "1000",
             "messagesperpartition": "10",
+            "minpartitions": "8",
             "failondataloss": "FALSE",
             "domain": "hub",
         }
@@ -33,6 +35,7 @@ def test_options_arrive_lower_cased_and_are_checked() -> None:
     assert options.servers == ("nats://h1:4222", "nats://h2:4222")
     assert options.streams == ("FLEET_TELEMETRY", "FLEET_EVENTS")
     assert (options.max_messages_per_trigger, options.messages_per_partition) == (1000, 10)
+    assert options.min_partitions == 8
     assert options.fail_on_data_loss is False
     assert options.api == "$JS.hub.API"
     with pytest.raises(ConfigError, match="messagesperpartition"):
@@ -52,6 +55,28 @@ def test_partitions_are_sequence_ranges_and_limits_are_shared() -> None:
     ]
     limited = JetStreamReader(SourceOptions(("nats://x",), ("A",), max_messages_per_trigger=7))
     assert limited.getDefaultReadLimit() == ReadMaxRows(7)
+
+
+def test_partitions_take_turns_across_streams_and_small_batches_feed_every_core() -> None:
+    """Spark starts tasks in partition order: one range of each stream in turn, so that the
+    running tasks read every aggregate stream; a batch too small to give each of
+    minPartitions cores a full messagesPerPartition range is cut into smaller ones."""
+    options = SourceOptions(("nats://x",), ("A", "B"), messages_per_partition=4, min_partitions=2)
+    assert JetStreamReader(options).partitions({"A": 0, "B": 0}, {"A": 9, "B": 5}) == [
+        SeqRange("A", 1, 4),
+        SeqRange("B", 1, 4),
+        SeqRange("A", 5, 8),
+        SeqRange("B", 5, 5),
+        SeqRange("A", 9, 9),
+    ]
+    small = dataclasses.replace(options, messages_per_partition=100, min_partitions=4)
+    assert JetStreamReader(small).partitions({"A": 10, "B": 0}, {"A": 16, "B": 2}) == [
+        SeqRange("A", 11, 12),
+        SeqRange("B", 1, 2),
+        SeqRange("A", 13, 14),
+        SeqRange("A", 15, 16),
+    ]
+    assert JetStreamReader(small).partitions({"A": 16}, {"A": 16}) == []
 
 
 @pytest.mark.spark
