@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import json
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -69,41 +70,61 @@ def age(seconds: float | None) -> str:
     return f"{seconds:.0f}s"
 
 
-def _clip(text: str, width: int) -> str:
-    return text if len(text) <= width else text[: width - 1] + "~"
-
-
 def _link(device: DeviceReport) -> str:
     return {True: "up", False: "down", None: "?"}[device.link_connected]
 
 
+_ID = 16  # an id this long or shorter shares its row with the figures
 _ROW = "{:<16} {:<4} {:>9} {:>7} {:>7} {:>5} {:>5} {:>5}  {}"
+LEGEND = (
+    "LINK up, down, or ? when the hub's monitoring endpoint did not answer. HEARTBEAT: age "
+    "of the newest heartbeat. LAG: messages the hub's aggregates still lack. ACTIVE: last "
+    "contact of the device's streams with the hub. PEND, DONE, FAIL: commands waiting, "
+    "answered ok, failed. SILENT: not heard from within --silent-after; NEVER SEEN: never "
+    "heard from. Flagged devices come first; > lines say what went wrong."
+)
+
+
+def _wrap(text: str, first: str, rest: str) -> list[str]:
+    """`text` over as many lines as it needs (never cut): a device id or an error is read
+    to be acted on."""
+    return textwrap.wrap(
+        text, WIDTH, initial_indent=first, subsequent_indent=rest, break_on_hyphens=False
+    )
+
+
+def _device_lines(d: DeviceReport) -> list[str]:
+    active = [s.last_active_s for s in d.sources if s.last_active_s is not None]
+    figures = (
+        _link(d),
+        age(d.last_heartbeat_age_s),
+        "-" if d.lag is None else d.lag,
+        age(min(active)) if active else "never",
+        d.commands.pending,
+        d.commands.done,
+        d.commands.failed,
+        " ".join(f.replace("_", " ").upper() for f in d.flags),
+    )
+    # A long id gets a line of its own, in full; the figures follow under it.
+    lines = [] if len(d.device_id) <= _ID else [d.device_id]
+    lines.append(_ROW.format(d.device_id if len(d.device_id) <= _ID else "", *figures).rstrip())
+    details = [f"{s.stream}: {s.error}" for s in d.sources if s.error]
+    if d.last_error is not None:
+        e = d.last_error
+        details.append(f"last error: command {e.command_id} {e.status}: {e.error or '-'}")
+    for text in details:
+        lines.extend(_wrap(text, "  > ", "    "))
+    return lines
 
 
 def render_table(report: FleetReport) -> str:
-    """The report as text for an 80-column terminal; detail lines start with ``  `` + ``>``."""
+    """The report as text for an 80-column terminal: flagged devices first, ids and errors
+    in full (wrapped), detail lines starting with ``  > ``, totals, warnings and a legend."""
     lines = [
         _ROW.format("DEVICE", "LINK", "HEARTBEAT", "LAG", "ACTIVE", "PEND", "DONE", "FAIL", "")
     ]
-    for d in report.devices:
-        active = [s.last_active_s for s in d.sources if s.last_active_s is not None]
-        row = _ROW.format(
-            _clip(d.device_id, 16),
-            _link(d),
-            age(d.last_heartbeat_age_s),
-            "-" if d.lag is None else d.lag,
-            age(min(active)) if active else "never",
-            d.commands.pending,
-            d.commands.done,
-            d.commands.failed,
-            " ".join(f.replace("_", " ").upper() for f in d.flags),
-        )
-        lines.append(row.rstrip())
-        details = [f"{s.stream}: {s.error}" for s in d.sources if s.error]
-        if d.last_error is not None:
-            e = d.last_error
-            details.append(f"last error: command {e.command_id} {e.status}: {e.error or '-'}")
-        lines.extend(_clip(f"  > {text}", WIDTH) for text in details)
+    for d in sorted(report.devices, key=lambda d: (not d.flagged, d.device_id)):
+        lines.extend(_device_lines(d))
     t = report.totals
     lines.append("")
     lines.append(
@@ -114,7 +135,10 @@ def render_table(report: FleetReport) -> str:
         f"commands: {t.commands_pending} pending, {t.commands_expired} expired unanswered, "
         f"{t.commands_done} done, {t.commands_failed} failed"
     )
-    lines.extend(_clip(f"warning: {w}", WIDTH) for w in report.warnings)
+    for warning in report.warnings:
+        lines.extend(_wrap(warning, "warning: ", "  "))
+    lines.append("")
+    lines.extend(_wrap(LEGEND, "", ""))
     return "\n".join(lines) + "\n"
 
 

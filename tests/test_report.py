@@ -18,7 +18,14 @@ from edge_agent.protocol.units import parse_time
 from hub_ingest.commands import command_status
 from hub_ingest.localfleet import stream_messages, write_hub_toml
 from hub_ingest.registry import Registry
-from hub_ingest.report import FleetReport, collect_report
+from hub_ingest.report import (
+    CommandCounts,
+    CommandError,
+    DeviceReport,
+    FleetReport,
+    collect_report,
+)
+from hub_ingest.report_cli import render_table
 from tests.support.cluster import Hub
 from tests.support.commands import send_command
 from tests.support.waiting import eventually
@@ -148,12 +155,41 @@ def _check_table(text: str) -> None:
     assert max(len(line) for line in lines) <= 80
     devices = lines[1 : lines.index("")]
     rows = {line.split()[0]: line for line in devices if not line.startswith(" ")}
-    assert list(rows) == ["a", "b", "c"]
+    assert list(rows) == ["b", "c", "a"]  # flagged first
     assert rows["a"].split()[1] == "up" and "SILENT" not in rows["a"]
     assert rows["b"].split()[1] == "down" and rows["b"].endswith("SILENT")
     assert rows["c"].split()[2] == "never" and rows["c"].endswith("NEVER SEEN")
     assert "  > last error: command gone error: disk full" in devices
     assert "3 devices, 1 connected, 2 flagged" in text
+    assert "SILENT: not heard from within --silent-after" in " ".join(lines)  # the legend
+
+
+def test_table_keeps_long_ids_and_errors_whole_within_80_columns() -> None:
+    """An id too long for its column gets a line of its own, an error is wrapped, never cut:
+    both are what an operator copies to act on."""
+    long_id = "refrigerated-trailer-0042-north-depot-lane-7"
+    error = "exec: " + " ".join(f"/var/lib/app/step-{i}.sh failed: no space left" for i in range(6))
+    device = DeviceReport(
+        device_id=long_id,
+        domain=f"edge-{long_id}",
+        shard=0,
+        link_connected=False,
+        sources=(),
+        last_heartbeat_at=None,
+        last_heartbeat_age_s=None,
+        last_seen_s=None,
+        telemetry_dropped=None,
+        dead_letters=None,
+        commands=CommandCounts(done=1, failed=1),
+        last_error=CommandError("c1", "error", error),
+        flags=("never_seen",),
+    )
+    text = render_table(FleetReport("2026-11-23T00:00:00Z", 86400.0, (device,)))
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    assert long_id in lines
+    detail = " ".join(line.strip() for line in lines if line.startswith("    ") or "> " in line)
+    assert f"last error: command c1 error: {error}" in detail
 
 
 async def test_report_is_healthy_without_commands_stream(hub: Hub, tmp_path: Path) -> None:
