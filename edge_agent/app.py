@@ -46,6 +46,7 @@ from edge_agent.health import (
 from edge_agent.hubclock import HubClock
 from edge_agent.island import STOP_TIMEOUT_S, Island
 from edge_agent.ledger import Ledger
+from edge_agent.metrics import write_textfile
 from edge_agent.notify import Notifier
 from edge_agent.outbox import Drainer, Outbox
 from edge_agent.protocol.names import EVENTS, command_stream, inbox_prefix
@@ -134,6 +135,7 @@ class Agent:
         self._nc: Client | None = None
         self._started = time.monotonic()
         self._last_status: Status | None = None  # the previous heartbeat's, for drain rates
+        self._resume: FastResume | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._recancel: asyncio.Task[None] | None = None
 
@@ -226,8 +228,8 @@ class Agent:
         self._spawn(tg, self._sync_clock(self._nc))
         self._spawn(tg, self._after_ready(executor.run))
         if self.config.commands.fast_resume:
-            resume = FastResume(self.config, js, hub_js, self.link, executor)
-            self._spawn(tg, self._after_ready(resume.run))
+            self._resume = FastResume(self.config, js, hub_js, self.link, executor)
+            self._spawn(tg, self._after_ready(self._resume.run))
         if self.notifier.watchdog_interval is not None:
             self._spawn(tg, self._watchdog(self.notifier.watchdog_interval))
 
@@ -280,6 +282,12 @@ class Agent:
         assert self.outbox is not None
         status = await collect_status(self.config, self.island.monitor)
         status, self._last_status = with_drain_rates(status, self._last_status), status
+        if (metrics := self.config.agent.metrics_file) is not None:
+            resume = self._resume.figures if self._resume else None
+            try:
+                await asyncio.to_thread(write_textfile, metrics, status, resume)
+            except OSError as exc:
+                log.warning("metrics_not_written", path=str(metrics), error=str(exc))
         subject = f"evt.{self.config.device_id}.heartbeat"
         try:
             payload = heartbeat_payload(status, self._started)

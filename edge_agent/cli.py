@@ -25,6 +25,7 @@ from edge_agent.island import (
     wait_healthy,
     write_config,
 )
+from edge_agent.metrics import exposition
 from edge_agent.outbox import Outbox, check_subject
 from edge_agent.protocol.cliconfig import config_option
 from edge_agent.protocol.logs import LOG_LEVELS, configure_logging
@@ -54,6 +55,9 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true", help="machine-readable output")
     status.add_argument(
         "--require-link", action="store_true", help="count a leaf link that is down as unhealthy"
+    )
+    status.add_argument(
+        "--prometheus", action="store_true", help="Prometheus text format (node_exporter textfile)"
     )
 
     render = sub.add_parser("render-nats-config", help="write the island's nats-server config")
@@ -175,11 +179,13 @@ async def _sampled_status(config: Config) -> Status:
     return with_drain_rates(await collect_status(config), first)
 
 
-def _status(config: Config, as_json: bool, require_link: bool) -> int:
+def _status(config: Config, as_json: bool, require_link: bool, prometheus: bool) -> int:
     status = asyncio.run(_sampled_status(config))
     if require_link and not status.link.up:
         status.problems.append("leaf link to the hub is down")
-    if as_json:
+    if prometheus:
+        sys.stdout.write(exposition(status))
+    elif as_json:
         print(json.dumps(status.to_dict(), indent=2))
     else:
         print(render_status(status))
@@ -217,7 +223,7 @@ def _dispatch(config: Config, args: argparse.Namespace) -> int:
         config = _with_config_path(config, args.output)
     handlers: dict[str, Callable[[], int]] = {
         "run": lambda: _run(config, args.log_level),
-        "status": lambda: _status(config, args.json, args.require_link),
+        "status": lambda: _status(config, args.json, args.require_link, args.prometheus),
         "render-nats-config": lambda: _render(config, args.output, not args.link_closed),
         "open-link": lambda: asyncio.run(_open_link(config, args.timeout)),
         "publish": lambda: _publish(config, args.subject, args.data),

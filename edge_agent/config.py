@@ -104,6 +104,9 @@ class AgentConfig:
     state_dir: Path
     heartbeat_interval: float
     link_poll_interval: float
+    # Prometheus text format for node_exporter's textfile collector, rewritten at every
+    # heartbeat; None: not written.
+    metrics_file: Path | None = None
 
     @property
     def database(self) -> Path:
@@ -229,6 +232,7 @@ def parse_config(data: dict[str, Any], source: Path | None = None) -> Config:
         state_dir=agent_sec.get("state_dir", path, Path("/var/lib/edge-agent")),
         heartbeat_interval=agent_sec.get("heartbeat_interval", _positive_duration, 30.0),
         link_poll_interval=agent_sec.get("link_poll_interval", _positive_duration, 0.5),
+        metrics_file=agent_sec.get("metrics_file", path, None),
     )
     agent_sec.finish()
 

@@ -25,6 +25,7 @@ from nats.js.errors import APIError, NotFoundError
 from edge_agent.commands import Executor, Incoming
 from edge_agent.config import Config
 from edge_agent.health import LinkTracker
+from edge_agent.metrics import ResumeFigures
 from edge_agent.protocol.names import COMMAND_MIRROR, command_stream
 
 log = structlog.get_logger(__name__)
@@ -54,6 +55,7 @@ class FastResume:
         # Right after a short cut the mirror's last contact still looks recent although it
         # is stalled; only a contact seen this long after the link came back proves it live.
         self._settle = settle
+        self.figures = ResumeFigures(0, None, 0)  # for the metrics file
 
     async def run(self) -> None:
         while not self._executor.stopping:
@@ -86,12 +88,9 @@ class FastResume:
             if time.monotonic() - started >= self._settle and await self._mirror_live(cursor):
                 break
             await asyncio.sleep(self._poll_interval)
-        log.info(
-            "fast_resume_done",
-            commands=ran,
-            cursor=cursor,
-            duration_s=round(time.monotonic() - started, 3),
-        )
+        duration = round(time.monotonic() - started, 3)
+        log.info("fast_resume_done", commands=ran, cursor=cursor, duration_s=duration)
+        self.figures = ResumeFigures(self.figures.resumes + 1, duration, ran)
         return ran
 
     async def _next(self, cursor: int) -> RawStreamMsg | None:

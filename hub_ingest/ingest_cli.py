@@ -9,7 +9,6 @@ import json
 import signal
 import threading
 from datetime import date
-from pathlib import Path
 from typing import Any
 
 from hub_ingest import maintenance
@@ -21,7 +20,9 @@ from hub_ingest.table import location as table_location
 
 
 def register(sub: Any) -> None:
-    r = sub.add_parser("run", help="archive the aggregate streams into Parquet with Spark")
+    r = sub.add_parser(
+        "run", help="archive the aggregate streams into the archive table with Spark"
+    )
     r.add_argument("--once", action="store_true", help="archive what is there now, then exit")
     r.add_argument(
         "--master",
@@ -40,9 +41,6 @@ def register(sub: Any) -> None:
     m = sub.add_parser("relocate", help="adopt an archive directory that was copied or moved")
     m.add_argument("--json", action="store_true")
     m.set_defaults(handler=_relocate)
-    for p in (r, a, c, m):
-        # `hub-ingest run --config hub.toml` reads as naturally as `hub-ingest -c hub.toml run`.
-        p.add_argument("-c", "--config", type=Path, default=argparse.SUPPRESS)
 
 
 def _run(config: HubConfig, args: argparse.Namespace) -> int:

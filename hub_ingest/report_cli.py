@@ -17,6 +17,7 @@ from edge_agent.protocol.units import parse_duration
 from hub_ingest.cliargs import duration
 from hub_ingest.config import HubConfig
 from hub_ingest.connect import hub_connection
+from hub_ingest.fleet_metrics import render_prometheus
 from hub_ingest.provision import AGGREGATES
 from hub_ingest.registry import Registry
 from hub_ingest.report import DeviceReport, FleetReport, collect_report
@@ -29,6 +30,9 @@ def register(sub: Any) -> None:
     p = sub.add_parser("report", help="per-device link, lag, heartbeat and command backlog")
     p.add_argument("--json", action="store_true", help="machine-readable output (see README)")
     p.add_argument("--dot", type=Path, metavar="FILE", help="also write the replication graph")
+    p.add_argument(
+        "--prometheus", action="store_true", help="Prometheus text format, one series per device"
+    )
     p.add_argument(
         "--silent-after",
         type=duration,
@@ -52,7 +56,9 @@ async def _report(config: HubConfig, args: argparse.Namespace) -> int:
         )
     if args.dot is not None:
         args.dot.write_text(render_dot(report), encoding="utf-8")
-    if args.json:
+    if args.prometheus:
+        sys.stdout.write(render_prometheus(report))
+    elif args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:
         sys.stdout.write(render_table(report))
