@@ -49,6 +49,18 @@ class AggregatesConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class LeafTlsConfig:
+    """TLS on the leaf listener (``[server.leaf_tls]``): the hub's certificate, and with
+    `verify` a client certificate from `ca_file` required of every device (mTLS, on top of
+    its NKey)."""
+
+    cert_file: Path
+    key_file: Path
+    ca_file: Path | None = None
+    verify: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class ServerConfig:
     """The hub's own nats-server, rendered by ``hub-ingest render-nats-config``."""
 
@@ -64,6 +76,7 @@ class ServerConfig:
     config_file: Path  # where `render-nats-config` writes the server's config
     auth_file: Path  # users and permissions, rendered from the registry on every device change
     pid_file: Path  # signalled to reload auth_file when it changes
+    leaf_tls: LeafTlsConfig | None = None  # None: a plaintext leaf listener (NKeys only)
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,9 +295,25 @@ def _server(srv: Section, state_dir: Path, home: Path) -> ServerConfig:
         config_file=srv.get("config_file", path, home / "nats-server.conf"),
         auth_file=srv.get("auth_file", path, state_dir / "auth.conf"),
         pid_file=srv.get("pid_file", path, home / "nats-server.pid"),
+        leaf_tls=_leaf_tls(srv.table("leaf_tls")) if srv.has("leaf_tls") else None,
     )
     srv.finish()
     return server
+
+
+def _leaf_tls(section: Section) -> LeafTlsConfig:
+    tls = LeafTlsConfig(
+        cert_file=section.get("cert_file", path),
+        key_file=section.get("key_file", path),
+        ca_file=section.get("ca_file", path, None),
+        verify=section.get("verify", _boolean, False),
+    )
+    section.finish()
+    if tls.verify and tls.ca_file is None:
+        raise agent_errors.ConfigError(
+            section.key("ca_file"), "required with verify = true: the CA devices' certificates"
+        )
+    return tls
 
 
 # What a cluster node may set for itself; everything else of [server] is the cluster's.

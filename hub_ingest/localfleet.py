@@ -72,9 +72,14 @@ async def _quiet(exc: Exception) -> None:
 
 
 def loopback_hub_config(
-    root: Path, *, leaf_compression: str = "s2_auto", **aggregates: Any
+    root: Path,
+    *,
+    leaf_compression: str = "s2_auto",
+    leaf_tls: dict[str, Any] | None = None,
+    **aggregates: Any,
 ) -> HubConfig:
-    """A hub under ``root/hub`` listening on free loopback ports."""
+    """A hub under ``root/hub`` listening on free loopback ports (`leaf_tls`: the
+    ``[server.leaf_tls]`` table)."""
     client = f"127.0.0.1:{free_port()}"
     return parse_hub_config(
         {
@@ -89,6 +94,7 @@ def loopback_hub_config(
                 "leaf_listen": f"127.0.0.1:{free_port()}",
                 "leaf_compression": leaf_compression,
                 "max_file_store": "1GiB",
+                **({"leaf_tls": leaf_tls} if leaf_tls else {}),
             },
         }
     )
@@ -156,10 +162,16 @@ class LocalHub:
 
 
 async def start_local_hub(
-    root: Path, *, leaf_compression: str = "s2_auto", **aggregates: Any
+    root: Path,
+    *,
+    leaf_compression: str = "s2_auto",
+    leaf_tls: dict[str, Any] | None = None,
+    **aggregates: Any,
 ) -> LocalHub:
     """Render, start and provision a hub under ``root/hub`` (see `loopback_hub_config`)."""
-    config = loopback_hub_config(root, leaf_compression=leaf_compression, **aggregates)
+    config = loopback_hub_config(
+        root, leaf_compression=leaf_compression, leaf_tls=leaf_tls, **aggregates
+    )
     conf = config.server.config_file
     write_auth(config, [])
     write_durably(conf, render_server_config(config))

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 
 from edge_agent.protocol.tomlconf import render_sync
-from hub_ingest.config import HubConfig
+from hub_ingest.config import HubConfig, LeafTlsConfig
 
 
 def render_server_config(config: HubConfig, config_file: Path | None = None) -> str:
@@ -43,8 +43,24 @@ leafnodes {{
   # Devices dial the URLs in their own config (a load balancer, a NAT address); without
   # this the hub gossips its internal listen address and devices reconnect around it.
   no_advertise: true
-}}
+{_leaf_tls_block(srv.leaf_tls)}}}
 {_cluster_block(config)}"""
+
+
+def _leaf_tls_block(tls: LeafTlsConfig | None) -> str:
+    if tls is None:
+        return ""
+    lines = [
+        f"cert_file: {json.dumps(str(tls.cert_file))}",
+        f"key_file: {json.dumps(str(tls.key_file))}",
+    ]
+    if tls.ca_file is not None:
+        lines.append(f"ca_file: {json.dumps(str(tls.ca_file))}")
+    if tls.verify:
+        lines.append("verify: true  # a client certificate from ca_file, on top of the NKey")
+    lines.append("timeout: 5  # seconds for the handshake: LTE round trips are long")
+    body = "\n    ".join(lines)
+    return f"  tls {{\n    {body}\n  }}\n"
 
 
 def _cluster_block(config: HubConfig) -> str:

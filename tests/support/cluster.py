@@ -244,9 +244,16 @@ class Device:
 
 
 async def start_hub(
-    root: Path, *, watching: bool = True, leaf_compression: str = "s2_auto", **aggregates: Any
+    root: Path,
+    *,
+    watching: bool = True,
+    leaf_compression: str = "s2_auto",
+    leaf_tls: dict[str, Any] | None = None,
+    **aggregates: Any,
 ) -> Hub:
-    local = await start_local_hub(root, leaf_compression=leaf_compression, **aggregates)
+    local = await start_local_hub(
+        root, leaf_compression=leaf_compression, leaf_tls=leaf_tls, **aggregates
+    )
     hub = Hub(local.config, local.server, local.nc, local.js, root)
     if watching:
         hub.start_watch()
