@@ -99,3 +99,30 @@ def test_island_unit_stops_in_lame_duck_mode_within_its_timeout() -> None:
     assert "render-nats-config --link-closed" in values["ExecStartPre"]
     assert "open-link" in values["ExecStartPost"]
     assert values["ExecStart"].split()[0].endswith("/nats-server")
+
+
+def test_hub_server_unit_renders_per_node_reloads_and_stops_in_lame_duck_mode() -> None:
+    """The hub's nats-server: config rendered from hub.toml (for the node the role names) on
+    each start, SIGHUP reload for `device add`, and the island's lame-duck stop."""
+    values = dict(_settings("hub-nats.service"))
+    pre, start = values["ExecStartPre"].split(), values["ExecStart"].split()
+    assert pre[0].endswith("/hub-ingest") and pre[1:4] == [
+        "render-nats-config",
+        "$HUB_NODE_ARGS",
+        "-o",
+    ]
+    assert start[0].endswith("/nats-server") and start[1:] == ["-c", pre[4]]
+    assert values["ExecReload"].endswith("--signal reload=$MAINPID")
+    assert values["EnvironmentFile"] == "-/etc/hub-ingest/node.env"
+    assert values["KillSignal"] == "SIGUSR2"
+    assert int(values["TimeoutStopSec"].removesuffix("s")) > 130
+    assert values["User"] == "hub-ingest" and values["StateDirectory"] == "hub-ingest"
+    assert values["CapabilityBoundingSet"] == "" and values["ProtectSystem"] == "strict"
+
+
+def test_hub_watch_runs_beside_its_node() -> None:
+    """`hub-ingest watch` takes the same node arguments as the server it runs beside."""
+    values = dict(_settings("hub-ingest-watch.service"))
+    assert values["ExecStart"].endswith("hub-ingest watch $HUB_NODE_ARGS")
+    assert values["EnvironmentFile"] == "-/etc/hub-ingest/node.env"
+    assert "hub-nats.service" in values["After"].split()
