@@ -23,7 +23,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import structlog
 from pyspark.errors import StreamingQueryException
@@ -182,8 +182,10 @@ def ingest(
     *,
     once: bool,
     stop: threading.Event | None = None,
+    progress: TextIO | None = None,
 ) -> IngestSummary:
-    """Run the ingest query until it is done (`once`) or `stop` is set; log every batch."""
+    """Run the ingest query until it is done (`once`) or `stop` is set; log every batch, and
+    keep a progress line on `progress` (a terminal) while batches run."""
     streams = asyncio.run(aggregate_streams(config))
     started = time.monotonic()
     ing = config.ingest
@@ -196,23 +198,30 @@ def ingest(
     log.info("ingest_started", streams=streams, once=once, archive=str(config.ingest.archive))
     batches: list[BatchProgress] = []
     last_trigger = ""
+    lag = 0
 
     def collect() -> None:
-        nonlocal last_trigger
+        nonlocal last_trigger, lag
         # An idle trigger reports the next batch's id with no rows; its start time is unique.
-        for progress in query.recentProgress:
-            if progress.timestamp > last_trigger:
-                last_trigger = progress.timestamp
-                if progress.numInputRows:
-                    batches.append(_log_progress(progress))
-                    synced.mark(progress.batchId)
+        for made in query.recentProgress:
+            if made.timestamp > last_trigger:
+                last_trigger = made.timestamp
+                lag = _lag(made)
+                if made.numInputRows:
+                    batches.append(_log_progress(made))
+                    synced.mark(made.batchId)
 
     try:
         while query.isActive and not (stop is not None and stop.is_set()):
             query.awaitTermination(1)
             collect()
+            if progress is not None:
+                progress.write("\r" + _progress_line(spark, batches, started, lag) + "\033[K")
+                progress.flush()
         query.stop()  # a no-op once an availableNow query has finished
         collect()
+        if progress is not None:
+            progress.write("\r" + _progress_line(spark, batches, started, lag) + "\033[K\n")
     except StreamingQueryException as exc:
         raise _translate(exc) from None
     failure = query.exception()
@@ -238,7 +247,9 @@ def run(config: HubConfig, *, once: bool, master: str | None, stop: threading.Ev
     """`master`: ``run --master``; without it spark-submit's, or else ``ingest.master``."""
     spark = spark_session(master or (None if under_spark_submit() else config.ingest.master))
     try:
-        ingest(spark, config, once=once, stop=stop)
+        # A progress line on a terminal; the journal gets the JSON lines alone.
+        progress = sys.stderr if sys.stderr.isatty() else None
+        ingest(spark, config, once=once, stop=stop, progress=progress)
     finally:
         spark.stop()
     if once and config.ingest.compact_after_run:
@@ -252,11 +263,35 @@ def under_spark_submit() -> bool:
     return "PYSPARK_GATEWAY_PORT" in os.environ
 
 
-def _log_progress(progress: Any) -> BatchProgress:
+def _lag(progress: Any) -> int:
+    """Messages the streams held beyond what the batch read."""
     lag = 0
     for source in progress.sources:
         end, latest = _offset(source.endOffset), _offset(source.latestOffset)
         lag += sum(max(seq - end.get(name, 0), 0) for name, seq in latest.items())
+    return lag
+
+
+def _progress_line(
+    spark: SparkSession, batches: list[BatchProgress], started: float, lag: int
+) -> str:
+    """Rows so far, their rate and the lag, and how far the running batch's tasks are."""
+    tracker = spark.sparkContext.statusTracker()
+    done = total = 0
+    for stage_id in tracker.getActiveStageIds():
+        if (stage := tracker.getStageInfo(stage_id)) is not None:
+            done, total = done + stage.numCompletedTasks, total + stage.numTasks
+    rows = sum(b.rows for b in batches)
+    rate = rows / max(time.monotonic() - started, 1e-3)
+    running = f"batch running: {done}/{total} tasks" if total else "waiting for the next batch"
+    return (
+        f"{rows:,} rows archived in {len(batches)} batches ({rate:,.0f} rows/s), "
+        f"lag {lag:,} messages; {running}"
+    )
+
+
+def _log_progress(progress: Any) -> BatchProgress:
+    lag = _lag(progress)
     batch = BatchProgress(
         progress.batchId, progress.numInputRows, progress.durationMs["triggerExecution"] / 1000
     )

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import pty
 import signal
 import subprocess
 import sys
@@ -196,3 +199,49 @@ async def test_a_first_batch_a_cut_or_kill_interrupted_does_not_block_the_start(
     await run_once(spark, config)
 
     assert [r["device_seq"] for r in telemetry(config).to_pylist()] == list(range(1, 31))
+
+
+async def test_run_on_a_terminal_shows_progress_and_keeps_json_lines_on_stdout(
+    hub: Hub, tmp_path: Path
+) -> None:
+    """`hub-ingest run` with a terminal on stderr keeps one progress line there (rows so far,
+    rate, lag, the running batch's tasks); stdout, the journal's, stays JSON lines."""
+    a = await hub.device("a", heartbeat_interval="1h")
+    for i in range(600):
+        await a.js.publish("tele.temp", str(i).encode())
+    await eventually(lambda: aggregate_has(hub, "FLEET_TELEMETRY", 600), timeout=RESUME_TIMEOUT)
+    config = ingest_config(hub, max_messages_per_trigger=200, messages_per_partition=100)
+    path = write_hub_toml(config, tmp_path / "hub.toml")
+    terminal, tty = pty.openpty()
+    try:
+        job = subprocess.Popen(
+            [sys.executable, "-m", "hub_ingest", "run", "--config", str(path), "--once"],
+            stdout=subprocess.PIPE,
+            stderr=tty,
+        )
+        os.close(tty)
+        shown = await asyncio.to_thread(_read_all, terminal)
+        out, _ = job.communicate(timeout=60)
+    finally:
+        os.close(terminal)
+    assert job.returncode == 0, shown
+    lines = [line for line in out.decode().splitlines() if line.strip()]
+    events = [json.loads(line)["event"] for line in lines]
+    assert events.count("batch_archived") >= 3
+    final = [part for part in shown.split("\r") if part.strip()][-1]
+    archived = int(final.split(" rows archived in")[0].replace(",", ""))
+    assert archived >= 600 and "lag 0 messages" in final, shown[-500:]  # and a heartbeat
+    assert "batch running:" in shown  # seen while a batch ran
+
+
+def _read_all(fd: int) -> str:
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(fd, 4096)
+        except OSError:  # the other end closed: the job is done
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    return b"".join(chunks).decode(errors="replace")
