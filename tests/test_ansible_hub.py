@@ -20,6 +20,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import tomllib
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ import edge_agent
 from edge_agent.protocol.monitor import Monitor
 from hub_ingest.localfleet import free_port
 from tests.support.ansible import BIN, playbook, recap
+from tests.support.certs import Authority
 from tests.support.scratch_root import REPO, running_service, scratch_root
 from tests.support.waiting import eventually
 
@@ -85,12 +87,12 @@ def _converge(inventory: Path, *extra: str) -> subprocess.CompletedProcess[str]:
 
 
 async def _converge_starting_units(
-    inventory: Path, roots: list[Path], stack: AsyncExitStack
+    inventory: Path, roots: list[Path], stack: AsyncExitStack, *extra: str
 ) -> subprocess.CompletedProcess[str]:
     """Converge while standing in for systemd: as soon as the role has installed
     hub-nats.service under a root (its handler would start it there), start that unit's
     commands; the role meanwhile waits for every server's /healthz before it provisions."""
-    converge = asyncio.create_task(asyncio.to_thread(_converge, inventory))
+    converge = asyncio.create_task(asyncio.to_thread(_converge, inventory, *extra))
     for root in roots:
         unit = root / "etc/systemd/system/hub-nats.service"
 
@@ -105,9 +107,13 @@ async def _converge_starting_units(
 
 
 def _task_lines(output: str, task: str) -> list[str]:
-    """The result lines of one task (``changed: [host]`` …)."""
+    """The result lines of one task (``changed: [host]`` …), without what -v adds to them."""
     block = output.partition(task)[2].partition("\nTASK [")[0].partition("\nPLAY RECAP")[0]
-    return [line for line in block.splitlines() if line.startswith(("ok:", "changed:"))]
+    return [
+        line.partition(" =>")[0]
+        for line in block.splitlines()
+        if line.startswith(("ok:", "changed:"))
+    ]
 
 
 def _cli(root: Path, *args: str, codes: tuple[int, ...] = (0,)) -> str:
@@ -137,25 +143,51 @@ async def test_hub_role_installs_starts_and_provisions_one_server(
     wheelhouse: Path, tmp_path: Path
 ) -> None:
     """One converge installs, starts the server (the test, for systemd), waits for /healthz and
-    provisions; a second changes nothing. `device add` then reloads the server through the pid
-    file its rendered config names, and `report --json` lists the device."""
+    provisions; a second changes nothing. The leaf listener's certificate, key (mode 0600,
+    never in the output of a --diff -vvv run) and CA are copied and rendered into
+    ``[server.leaf_tls]``, and the server requires TLS and client certificates on it. `device
+    add` then reloads the server through the pid file its rendered config names, and `report
+    --json` lists the device."""
     root = scratch_root(tmp_path / "hub")
+    pki = Authority(tmp_path / "pki", "fleet-ca")
+    server = pki.issue("hub", server=True)
     monitor_listen = f"127.0.0.1:{free_port()}"
     host = {
         "hub_root": str(root),
         "hub_listen": f"127.0.0.1:{free_port()}",
         "hub_monitor_listen": monitor_listen,
         "hub_leaf_listen": f"127.0.0.1:{free_port()}",
+        "hub_leaf_tls_cert_src": str(server.cert_file),
+        "hub_leaf_tls_key_src": str(server.key_file),
+        "hub_leaf_tls_ca_src": str(pki.cert_file),
+        "hub_leaf_tls_verify": True,
     }
     inventory = _inventory(tmp_path / "inventory.yml", wheelhouse, {"hub1": host})
+    verbose = ("--diff", "-vvv")
 
     async with AsyncExitStack() as stack:
-        first = await _converge_starting_units(inventory, [root], stack)
+        first = await _converge_starting_units(inventory, [root], stack, *verbose)
         assert recap(first.stdout)["hub1"]["changed"] > 0
         assert _task_lines(first.stdout, PROVISION_TASK) == ["changed: [hub1]"]
-        again = await asyncio.to_thread(_converge, inventory)
+        again = await asyncio.to_thread(_converge, inventory, *verbose)
         assert recap(again.stdout)["hub1"]["changed"] == 0, again.stdout[-8000:]
         assert _task_lines(again.stdout, PROVISION_TASK) == ["ok: [hub1]"]
+
+        tls_dir = root / "etc/hub-ingest/tls"
+        assert oct((tls_dir / "leaf-key.pem").stat().st_mode & 0o777) == "0o600"
+        key_lines = [line for line in server.key_file.read_text().splitlines() if "---" not in line]
+        for run in (first, again):
+            assert not any(line in run.stdout + run.stderr for line in key_lines), "key shown"
+        with (root / "etc/hub-ingest/hub.toml").open("rb") as f:
+            leaf_tls = tomllib.load(f)["server"]["leaf_tls"]
+        assert leaf_tls == {
+            "cert_file": str(tls_dir / "leaf.pem"),
+            "key_file": str(tls_dir / "leaf-key.pem"),
+            "ca_file": str(tls_dir / "fleet-ca.pem"),
+            "verify": True,
+        }
+        leaf = (await Monitor(f"http://{monitor_listen}").get("/varz"))["leaf"]
+        assert leaf["tls_required"] and leaf["tls_verify"], leaf
 
         assert (root / f"opt/hub-ingest/releases/{VERSION}/bin/nats-server").is_file()
         units = sorted(p.name for p in (root / "etc/systemd/system").glob("hub-*"))
