@@ -7,6 +7,7 @@ hub's local fleet and the test bench use it (the agent supervises its island its
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import re
 import shutil
@@ -25,11 +26,13 @@ from edge_agent.protocol.monitor import Monitor
 MIN_VERSION = (2, 15, 0)
 
 
+@functools.cache
 def version_of(executable: str) -> tuple[int, int, int]:
-    """``nats-server --version`` as numbers (``nats-server: v2.15.1`` -> (2, 15, 1))."""
-    out = subprocess.run(
-        [executable, "--version"], capture_output=True, text=True, check=False, timeout=30
-    )
+    """``nats-server --version`` as numbers (``nats-server: v2.15.1`` -> (2, 15, 1)); asked
+    once per process, though the island's config is rendered at every start."""
+    # No timeout: it returns at once, and under libfaketime (tests/test_clock.py) the wait
+    # loop a timeout brings can sleep a negative time and fail with EINVAL.
+    out = subprocess.run([executable, "--version"], capture_output=True, text=True, check=False)
     found = re.search(r"v?(\d+)\.(\d+)\.(\d+)", out.stdout + out.stderr)
     if found is None:
         raise ConfigError("", f"{executable} --version printed no version: {out.stdout!r}")
