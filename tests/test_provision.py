@@ -153,7 +153,7 @@ async def test_a_key_the_hub_refuses_is_an_error_naming_it(hub: Hub, tmp_path: P
         run_cli, "hub_ingest", "-c", str(config), "device", "list", timeout=45
     )
 
-    assert result.returncode == 1
+    assert result.returncode == 3  # no connection to the hub, whatever the reason
     error = result.stderr.strip().splitlines()[-1]
     assert "authorization violation" in error.lower()
     assert f"nats.credentials = {stranger}" in error
