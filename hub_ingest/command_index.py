@@ -366,19 +366,21 @@ class CommandIndex:
         return None if entry is None else json_object(entry[0])
 
     async def _matching(self, pattern: str) -> dict[str, dict[str, Any]]:
-        """Every key matching `pattern` and its value, filtered by the server (nats-py's
-        ``keys(filters=…)`` lists the whole bucket and filters here)."""
+        """Every key matching `pattern` and its value. The keys come from the server's own
+        count of the bucket's subjects: a KV watcher can report that it has delivered every
+        current value before it has (nats-py), which left answers out under load."""
+        prefix = f"$KV.{BUCKET}."
+        info = await self._js.stream_info(f"KV_{BUCKET}", subjects_filter=prefix + pattern)
         found: dict[str, dict[str, Any]] = {}
-        watcher = await self._kv.watch(pattern, ignore_deletes=True)
-        try:
-            async for entry in watcher:
-                if entry is None:
-                    break  # the watcher's marker: every current value was delivered
-                if (value := json_object(entry.value)) is not None:
-                    found[entry.key] = value
-        finally:
-            await watcher.stop()  # type: ignore[no-untyped-call]  # nats-py leaves it untyped
-        return dict(sorted(found.items()))
+        for subject in sorted(info.state.subjects or {}):
+            key = subject.removeprefix(prefix)
+            try:
+                entry = await self._kv.get(key)
+            except KeyNotFoundError:  # deleted or purged since
+                continue
+            if (value := json_object(entry.value)) is not None:
+                found[key] = value
+        return found
 
 
 @dataclass(frozen=True, slots=True)

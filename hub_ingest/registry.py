@@ -23,7 +23,6 @@ from nats.js.errors import (
     BucketNotFoundError,
     KeyNotFoundError,
     KeyWrongLastSequenceError,
-    NoKeysError,
 )
 from nats.js.kv import KeyValue
 
@@ -88,7 +87,8 @@ def assign_shards(existing: Iterable[Device], count: int, max_per_shard: int) ->
 
 
 class Registry:
-    def __init__(self, kv: KeyValue) -> None:
+    def __init__(self, js: JetStreamContext, kv: KeyValue) -> None:
+        self._js = js
         self._kv = kv
 
     @classmethod
@@ -99,16 +99,21 @@ class Registry:
             kv = await js.create_key_value(
                 KeyValueConfig(bucket=BUCKET, history=5, storage=StorageType.FILE)
             )
-        return cls(kv)
+        return cls(js, kv)
 
     async def list(self) -> list[Device]:
-        try:
-            keys = await self._kv.keys()
-        except NoKeysError:
-            return []
-        # The key listing is a consumer over the bucket: on a cluster a leader change during
-        # it can deliver a key twice, and a device listed twice would be sourced twice.
-        return [await self.get(key) for key in sorted(set(keys))]
+        # The keys come from the server's count of the bucket's subjects. nats-py's
+        # `keys()` is a watcher that can say it is done before it has delivered every key
+        # (an empty or short fleet under load) or deliver one twice on a cluster.
+        prefix = f"$KV.{BUCKET}."
+        info = await self._js.stream_info(f"KV_{BUCKET}", subjects_filter=prefix + ">")
+        devices = []
+        for subject in sorted(info.state.subjects or {}):
+            try:
+                devices.append(await self.get(subject.removeprefix(prefix)))
+            except RegistryError:  # removed since: its subject keeps the delete marker
+                continue
+        return devices
 
     async def get(self, device_id: str) -> Device:
         try:
