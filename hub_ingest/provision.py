@@ -51,6 +51,8 @@ from edge_agent.protocol.names import (
 )
 from edge_agent.protocol.reconcile import Reconciled, mirror_consumer, reconcile_stream
 from edge_agent.protocol.units import parse_time
+from hub_ingest.command_index import BUCKET as INDEX_BUCKET
+from hub_ingest.command_index import CommandIndex
 from hub_ingest.config import HubConfig
 from hub_ingest.errors import ProvisionError
 from hub_ingest.registry import BUCKET, Device, Incarnation, Registry
@@ -64,6 +66,7 @@ MANAGED_BY = {"managed-by": "hub-ingest"}
 # second time, or take them from the streams that should have them.
 _ROUNDS = 5  # of provisioning, while the registry changes under it
 REGISTRY_STREAM = f"KV_{BUCKET}"
+INDEX_STREAM = f"KV_{INDEX_BUCKET}"
 FLEET_SUBJECTS = ("cmd.>", "fleet.>", "tele.>", "evt.>", "hubin.>", "devin.>")
 
 
@@ -243,14 +246,15 @@ def aggregate_streams(
     return streams
 
 
-async def _registry_replicas(js: JetStreamContext, replicas: int) -> Reconciled:
-    """The registry's bucket (made by `Registry.open` with the server's default of one
-    replica) kept as many times as the hub's streams."""
-    have = (await js.stream_info(REGISTRY_STREAM)).config
+async def _bucket_replicas(js: JetStreamContext, stream: str, replicas: int) -> Reconciled:
+    """A key-value bucket's stream (the registry's, made by `Registry.open` with the
+    server's default of one replica; the command index's) kept as many times as the hub's
+    streams."""
+    have = (await js.stream_info(stream)).config
     if have.num_replicas == replicas:
-        return Reconciled(REGISTRY_STREAM, "unchanged")
+        return Reconciled(stream, "unchanged")
     await js.update_stream(dataclasses.replace(have, num_replicas=replicas))
-    return Reconciled(REGISTRY_STREAM, "updated", ("num_replicas",))
+    return Reconciled(stream, "updated", ("num_replicas",))
 
 
 async def stream_names(js: JetStreamContext) -> list[str]:
@@ -357,7 +361,14 @@ async def _provision_once(
     shards = {shard for name in await stream_names(js) for shard in _shard_of(name)}
     mirrors = [m for d in devices for m in device_mirrors(config, d)]
     try:
-        results = [await _registry_replicas(js, config.replicas)]
+        # The command index is made here, with every node up, rather than by the first
+        # report or status: made while a node is down, its replica group may be left
+        # without a leader when another node goes (seen on a 3-node hub).
+        await CommandIndex.open(js, config.replicas)
+        results = [
+            await _bucket_replicas(js, REGISTRY_STREAM, config.replicas),
+            await _bucket_replicas(js, INDEX_STREAM, config.replicas),
+        ]
         results.append(await reconcile_stream(js, commands_stream(config)))
         results += [await provision_commands(js, config, d) for d in devices]
         for want in [*mirrors, *aggregate_streams(config, devices, shards)]:

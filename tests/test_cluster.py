@@ -112,7 +112,14 @@ async def test_provision_raises_the_replica_count_of_existing_streams_in_place(
         assert hub.config.cluster is not None
         hub.config = replace(hub.config, cluster=replace(hub.config.cluster, replicas=3))
         changed = {r.name for r in await provision(hub.js, hub.config, await _devices(hub))}
-        assert {"COMMANDS", "CMD_a", mirror, "FLEET_TELEMETRY", "KV_FLEET_DEVICES"} <= changed
+        assert {
+            "COMMANDS",
+            "CMD_a",
+            mirror,
+            "FLEET_TELEMETRY",
+            "KV_FLEET_DEVICES",
+            "KV_FLEET_COMMAND_INDEX",
+        } <= changed
         await eventually(hub.current, timeout=60, what="every replica current")
         for name in await stream_names(hub.js):
             assert (await hub.js.stream_info(name)).config.num_replicas == 3, name

@@ -36,5 +36,6 @@ async def eventually(
         except Exception as exc:
             last = exc
         if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not reached within {timeout}s (last: {last!r})")
+            failure = AssertionError(f"{what} not reached within {timeout}s (last: {last!r})")
+            raise failure from last if isinstance(last, Exception) else None
         await asyncio.sleep(interval)
