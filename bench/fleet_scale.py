@@ -74,15 +74,14 @@ from edge_agent.protocol.logs import configure_logging
 from edge_agent.protocol.monitor import Monitor
 from edge_agent.protocol.names import COMMAND_MIRROR, EVENTS, OUTBOUND, TELEMETRY
 from edge_agent.protocol.natsserver import ServerProcess
-from edge_agent.protocol.units import utc_now_iso
 from edge_agent.streams import reconcile
 from hub_ingest.commands import command_status, new_envelope, send
 from hub_ingest.enrol import Enrolment, enrol, enrol_many
-from hub_ingest.incarnations import device_incarnations
+from hub_ingest.incarnations import device_incarnations, record
 from hub_ingest.localfleet import free_port, start_local_hub
 from hub_ingest.provision import mirror_name, provision
 from hub_ingest.registry import Device as Registered
-from hub_ingest.registry import Incarnation, Registry
+from hub_ingest.registry import Registry
 from hub_ingest.report import collect_report
 from tests.support.cluster import NATS_SERVER, Hub, start_hub
 from tests.support.hubcluster import ClusterHub, start_cluster_hub
@@ -388,11 +387,7 @@ class Fleet:
 
     async def attach(self, ids: set[str]) -> None:
         """Record the first incarnation of each of `ids` (as `observe` does, asking each
-        island through its link) and provision once, until every one has both mirrors.
-
-        `observe` provisions the whole fleet after *each* device it records, so k devices
-        coming up at once cost k provisioning passes; `provision_pass` measures one pass.
-        """
+        island through its link) and provision once, until every one has both mirrors."""
         deadline = time.monotonic() + 600
         while True:
             try:
@@ -420,10 +415,7 @@ class Fleet:
         devices = [d for d in await registry.list() if d.device_id in ids]
         seen = await limited(partial(device_incarnations, self.hub.nc, d) for d in devices)
         for device, found in zip(devices, seen, strict=True):
-            for stream, incarnation in sorted(found.items()):
-                if device.current(stream) is None:  # a first install: no command fence
-                    first = Incarnation(stream, incarnation, utc_now_iso(), 0)
-                    await registry.add_incarnation(device.device_id, first)
+            await record(self.hub.js, registry, device, found)
 
     async def provision_pass(self) -> float:
         """Seconds of one `provision` of the whole fleet with nothing to change: what each

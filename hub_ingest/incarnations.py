@@ -96,12 +96,13 @@ async def _command_fence(js: JetStreamContext, device: Device, stream: str) -> i
 
 async def record(
     js: JetStreamContext,
-    config: HubConfig,
     registry: Registry,
     device: Device,
     seen: Mapping[str, str],
 ) -> list[Incarnation]:
-    """Record and provision the incarnations in `seen` the hub does not know; the new ones."""
+    """Record the incarnations in `seen` the hub does not know; the new ones. The caller
+    provisions their streams, once for all the devices it records (one pass over the whole
+    fleet each: per device, onboarding a fleet would grow with its square)."""
     new = []
     for stream, incarnation_id in sorted(seen.items()):
         if _known(device, stream, incarnation_id):
@@ -120,8 +121,6 @@ async def record(
             previous=previous.id if previous else None,
             command_fence=incarnation.command_fence,
         )
-    if new:
-        await provision(js, config, await registry.list())
     return new
 
 
@@ -135,7 +134,9 @@ async def observe(
     for device, seen in zip(devices, found, strict=True):
         if any(not _known(device, s, i) for s, i in seen.items()):
             current = await registry.get(device.device_id)
-            new += await record(js, config, registry, current, seen)
+            new += await record(js, registry, current, seen)
+    if new:
+        await provision(js, config, await registry.list())
     return new
 
 
@@ -227,10 +228,12 @@ class _Rounds:
             if any(not _known(device, s, i) for s, i in seen.items()):
                 current = await self.registry.get(device.device_id)
                 self.unprovisioned = True
-                await record(self.js, self.config, self.registry, current, seen)
-                self.unprovisioned = False
+                await record(self.js, self.registry, current, seen)
                 self.fleet.forget()
             # Right after the link comes up the agent may not have made its streams yet: ask
             # again at the next round until both have answered.
             if len(seen) == len(OUTBOUND):
                 self.checked[device.device_id] = (leaf, now)
+        if self.unprovisioned:  # one pass for every device recorded in this round
+            await provision(self.js, self.config, await self.registry.list())
+            self.unprovisioned = False
