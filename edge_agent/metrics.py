@@ -24,61 +24,68 @@ class ResumeFigures:
     last_commands: int
 
 
+Figure = tuple[str, str, float | None]  # name, help text, value (None: left out)
+
+
 def _gauge(registry: CollectorRegistry, name: str, doc: str, *labels: str) -> Gauge:
     return Gauge(name, doc, labels, registry=registry)
 
 
 def registry_for(status: Status, resume: ResumeFigures | None = None) -> CollectorRegistry:
     registry = CollectorRegistry()
-    device = status.device_id
-    g = _gauge(registry, "edge_agent_healthy", "1 when status finds no problem", "device")
-    g.labels(device).set(int(status.healthy))
-    g = _gauge(registry, "edge_agent_island_up", "1 when the island answers healthy", "device")
-    g.labels(device).set(int(status.island_up))
-    g = _gauge(registry, "edge_agent_link_up", "1 while the leaf link to the hub is up", "device")
-    g.labels(device).set(int(status.link.up))
-    if (since := parse_time(status.link.since)) is not None:
-        g = _gauge(
-            registry,
+    since = parse_time(status.link.since)
+    figures: list[Figure] = [
+        ("edge_agent_healthy", "1 when status finds no problem", int(status.healthy)),
+        ("edge_agent_island_up", "1 when the island answers healthy", int(status.island_up)),
+        ("edge_agent_link_up", "1 while the leaf link to the hub is up", int(status.link.up)),
+        (
             "edge_agent_link_changed_timestamp_seconds",
             "when the link last went up or down",
-            "device",
-        )
-        g.labels(device).set(since.timestamp())
-    _outbox(registry, status)
-    _streams(registry, status)
-    _commands(registry, status)
-    if resume is not None:
-        _resume(registry, device, resume)
-    if status.clock_offset_s is not None:
-        g = _gauge(
-            registry,
+            since.timestamp() if since else None,
+        ),
+        (
             "edge_agent_clock_offset_seconds",
             "hub clock minus device clock at the last sync",
-            "device",
+            status.clock_offset_s,
+        ),
+    ]
+    if (outbox := status.outbox) is not None:
+        figures += [
+            ("edge_agent_outbox_depth", "rows waiting for the island", outbox.depth),
+            ("edge_agent_outbox_bytes", "bytes waiting for the island", outbox.bytes),
+            ("edge_agent_outbox_max_bytes", "the outbox's budget", outbox.max_bytes),
+            ("edge_agent_dead_letters", "rows the island refused for good", outbox.dead_letters),
+            (
+                "edge_agent_outbox_oldest_age_seconds",
+                "age of the oldest waiting row (0 when empty)",
+                outbox.oldest_age_s or 0.0,
+            ),
+        ]
+    if status.commands is not None and status.mirror is not None:
+        figures.append(
+            ("edge_agent_command_mirror_lag", "commands the mirror lacks", status.mirror.lag)
         )
-        g.labels(device).set(status.clock_offset_s)
+    if resume is not None:
+        ran = resume.last_duration_s is not None
+        figures += [
+            ("edge_agent_resumes", "fast resumes since the agent started", resume.resumes),
+            (
+                "edge_agent_resume_duration_seconds",
+                "how long the last fast resume read from the hub",
+                resume.last_duration_s,
+            ),
+            (
+                "edge_agent_resume_commands",
+                "commands the last fast resume ran",
+                resume.last_commands if ran else None,
+            ),
+        ]
+    for name, doc, value in figures:
+        if value is not None:
+            _gauge(registry, name, doc, "device").labels(status.device_id).set(value)
+    _streams(registry, status)
+    _commands(registry, status)
     return registry
-
-
-def _outbox(registry: CollectorRegistry, status: Status) -> None:
-    outbox, device = status.outbox, status.device_id
-    if outbox is None:
-        return
-    for name, doc, value in (
-        ("edge_agent_outbox_depth", "rows waiting for the island", outbox.depth),
-        ("edge_agent_outbox_bytes", "bytes waiting for the island", outbox.bytes),
-        ("edge_agent_outbox_max_bytes", "the outbox's budget", outbox.max_bytes),
-        ("edge_agent_dead_letters", "rows the island refused for good", outbox.dead_letters),
-    ):
-        _gauge(registry, name, doc, "device").labels(device).set(value)
-    age = _gauge(
-        registry,
-        "edge_agent_outbox_oldest_age_seconds",
-        "age of the oldest waiting row (0 when empty)",
-        "device",
-    )
-    age.labels(device).set(outbox.oldest_age_s or 0.0)
 
 
 def _streams(registry: CollectorRegistry, status: Status) -> None:
@@ -105,40 +112,14 @@ def _streams(registry: CollectorRegistry, status: Status) -> None:
 
 
 def _commands(registry: CollectorRegistry, status: Status) -> None:
-    commands, device = status.commands, status.device_id
-    if commands is None:
+    if (commands := status.commands) is None:
         return
     g = _gauge(
         registry, "edge_agent_commands", "commands by outcome, since the ledger began", "device",
         "outcome",
     )  # fmt: skip
     for outcome in ("executed", "failed", "rejected", "expired", "running"):
-        g.labels(device, outcome).set(getattr(commands, outcome))
-    if status.mirror is not None:
-        lag = _gauge(
-            registry, "edge_agent_command_mirror_lag", "commands the mirror lacks", "device"
-        )
-        lag.labels(device).set(status.mirror.lag)
-
-
-def _resume(registry: CollectorRegistry, device: str, resume: ResumeFigures) -> None:
-    g = _gauge(registry, "edge_agent_resumes", "fast resumes since the agent started", "device")
-    g.labels(device).set(resume.resumes)
-    if resume.last_duration_s is not None:
-        g = _gauge(
-            registry,
-            "edge_agent_resume_duration_seconds",
-            "how long the last fast resume read from the hub",
-            "device",
-        )
-        g.labels(device).set(resume.last_duration_s)
-        g = _gauge(
-            registry,
-            "edge_agent_resume_commands",
-            "commands the last fast resume ran",
-            "device",
-        )
-        g.labels(device).set(resume.last_commands)
+        g.labels(status.device_id, outcome).set(getattr(commands, outcome))
 
 
 def exposition(status: Status, resume: ResumeFigures | None = None) -> str:

@@ -185,6 +185,7 @@ async def watch(
 ) -> None:
     """Observe each device whose leaf connection is new, until `stop` is set."""
     rounds: _Rounds | None = None
+    failing: tuple[str, int] | None = None  # the last round's error, and the rounds it failed
     log.info("incarnation_watch_started")
     while not stop.is_set():
         try:
@@ -192,8 +193,15 @@ async def watch(
                 registry = await Registry.open(js)
                 rounds = _Rounds(js, nc, config, registry, _Fleet(registry))
             await rounds.run(await monitor.get("/leafz"))
-        except Exception as exc:  # a hub restart or a slow device: log, and try again
-            log.warning("incarnation_watch_failed", error=repr(exc))
+            if failing is not None:
+                log.info("incarnation_watch_recovered", failed_rounds=failing[1])
+                failing = None
+        except Exception as exc:  # a hub restart or a slow device: try again
+            # Said once, and again when the error changes: not twice a second while a node
+            # is down.
+            if failing is None or failing[0] != repr(exc):
+                log.warning("incarnation_watch_failed", error=repr(exc))
+            failing = (repr(exc), failing[1] + 1 if failing else 1)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), interval)
 

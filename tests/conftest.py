@@ -10,6 +10,7 @@ import pytest
 from pyspark.sql import SparkSession
 
 from hub_ingest.job import spark_session
+from tests.support.certs import Authority
 from tests.support.cluster import Hub, start_hub
 from tests.support.hubcluster import ClusterHub, start_cluster_hub
 
@@ -18,6 +19,29 @@ from tests.support.hubcluster import ClusterHub, start_cluster_hub
 async def hub(tmp_path: Path) -> AsyncIterator[Hub]:
     """A hub with COMMANDS and empty aggregates; `await hub.device("a")` adds a device."""
     hub = await start_hub(tmp_path)
+    try:
+        yield hub
+    finally:
+        await hub.close()
+
+
+@pytest.fixture
+def pki(tmp_path: Path) -> Authority:
+    """The fleet's certificate authority (`tests.support.certs`)."""
+    return Authority(tmp_path / "pki", "fleet-ca")
+
+
+@pytest.fixture
+async def tls_hub(tmp_path: Path, pki: Authority) -> AsyncIterator[Hub]:
+    """A hub whose leaf listener requires TLS and a client certificate `pki` signed."""
+    server = pki.issue("hub", server=True)
+    leaf_tls = {
+        "cert_file": str(server.cert_file),
+        "key_file": str(server.key_file),
+        "ca_file": str(pki.cert_file),
+        "verify": True,
+    }
+    hub = await start_hub(tmp_path, leaf_tls=leaf_tls)
     try:
         yield hub
     finally:

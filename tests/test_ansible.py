@@ -27,7 +27,7 @@ import edge_agent
 from hub_ingest.localfleet import write_hub_toml
 from tests.support.ansible import ANSIBLE, BIN, playbook, recap
 from tests.support.certs import Authority
-from tests.support.cluster import Hub, free_port, start_hub
+from tests.support.cluster import Hub, free_port
 from tests.support.scratch_root import REPO, scratch_root
 from tests.support.waiting import eventually
 
@@ -163,28 +163,6 @@ def test_ansible_lint_production_profile_passes() -> None:
     """The role and playbooks meet ansible-lint's strictest profile."""
     out = _run(BIN / "ansible-lint", "--offline", "--profile", "production", cwd=ANSIBLE)
     assert "Profile 'production' was required, and it passed" in out
-
-
-@pytest.fixture
-def pki(tmp_path: Path) -> Authority:
-    return Authority(tmp_path / "pki", "fleet-ca")
-
-
-@pytest.fixture
-async def tls_hub(tmp_path: Path, pki: Authority) -> AsyncIterator[Hub]:
-    """A hub whose leaf listener requires TLS and a client certificate `pki` signed."""
-    server = pki.issue("hub", server=True)
-    leaf_tls = {
-        "cert_file": str(server.cert_file),
-        "key_file": str(server.key_file),
-        "ca_file": str(pki.cert_file),
-        "verify": True,
-    }
-    hub = await start_hub(tmp_path / "hub", leaf_tls=leaf_tls)
-    try:
-        yield hub
-    finally:
-        await hub.close()
 
 
 def _assert_never_shown(run: subprocess.CompletedProcess[str], secrets: dict[str, str]) -> None:

@@ -45,14 +45,6 @@ async def _run(hub: ClusterHub, root: Path, faults: list[Action]) -> Outcome:
     return outcome
 
 
-def _assert_exact(outcome: Outcome) -> None:
-    summary = outcome.summary()
-    assert outcome.produced == outcome.at_hub and min(outcome.produced.values()) > 0, summary
-    assert (outcome.duplicates, outcome.losses, outcome.out_of_order) == (0, 0, 0), summary
-    assert outcome.commands_sent > 0 and outcome.double_runs == 0, summary
-    assert (outcome.missing_results, outcome.extra_results) == (0, 0), summary
-
-
 @pytest.mark.timeout(600)
 async def test_hub_nodes_killed_while_devices_publish_lose_nothing(
     cluster_hub: ClusterHub, tmp_path: Path
@@ -64,7 +56,7 @@ async def test_hub_nodes_killed_while_devices_publish_lose_nothing(
         tmp_path,
         [Action(4.0, "node_kill", "hub-1", 10.0), Action(20.0, "node_kill", "leader", 5.0)],
     )
-    _assert_exact(outcome)
+    outcome.assert_exact()
     assert outcome.faults["node_kill"] == 2 and outcome.reports == 2, outcome.summary()
 
 
@@ -75,7 +67,7 @@ async def test_a_rolling_restart_of_every_hub_node_loses_nothing(
     """Each node stopped and started in turn, the next only once every stream is current
     again on all three, while devices publish and commands flow."""
     outcome = await _run(cluster_hub, tmp_path, [Action(3.0, "rolling_restart", "hub", 0.0)])
-    _assert_exact(outcome)
+    outcome.assert_exact()
     assert outcome.faults["rolling_restart"] == 1, outcome.summary()
 
 

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from edge_agent.protocol.errors import MonitorUnavailable
+from edge_agent.protocol.monitor import Monitor
 from hub_ingest.auth import new_seed
 from hub_ingest.localfleet import write_hub_toml
 from tests.support.cluster import NATS_SERVER, Hub, free_port, run_cli
@@ -185,3 +187,12 @@ def test_config_option_is_taken_after_every_subcommand(
     result = run_cli(module, "-c", str(tmp_path / "named-before.toml"), *argv, "-c", str(missing))
     assert result.returncode == 2
     assert str(missing) in result.stderr and "named-before" not in result.stderr
+
+
+async def test_a_monitoring_url_naming_a_client_port_is_a_clear_error(hub: Hub) -> None:
+    """A client port greets with NATS's INFO line, not HTTP: the error says so, and callers
+    that tolerate an unreachable endpoint (report, status, the watcher) tolerate this too."""
+    client = hub.url.removeprefix("nats://")
+    with pytest.raises(MonitorUnavailable, match="not an HTTP monitoring endpoint"):
+        await Monitor(f"http://{client}").get("/healthz")
+    assert not await Monitor(f"http://{client}").healthy()

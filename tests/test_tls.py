@@ -8,41 +8,19 @@ device without TLS, or with a certificate from another CA, is refused by the hub
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 from nats.js import JetStreamContext
 
 from tests.support.certs import Authority
-from tests.support.cluster import Hub, mirror_silent_for, start_hub
+from tests.support.cluster import Hub, mirror_silent_for
 from tests.support.waiting import RESUME_TIMEOUT, eventually
 
 pytestmark = pytest.mark.slow
 
 STALLED_S = 30  # a cut long enough that the stock mirrors would take 10-40 s to resume
 DEADLINE_S = 8.0  # what fast resume must do better than (as in tests/test_resume.py)
-
-
-@pytest.fixture
-async def pki(tmp_path: Path) -> Authority:
-    return Authority(tmp_path / "pki", "fleet-ca")
-
-
-@pytest.fixture
-async def tls_hub(tmp_path: Path, pki: Authority) -> AsyncIterator[Hub]:
-    server = pki.issue("hub", server=True)
-    leaf_tls = {
-        "cert_file": str(server.cert_file),
-        "key_file": str(server.key_file),
-        "ca_file": str(pki.cert_file),
-        "verify": True,
-    }
-    hub = await start_hub(tmp_path, leaf_tls=leaf_tls)
-    try:
-        yield hub
-    finally:
-        await hub.close()
 
 
 def _tls(ca: Authority, client: Authority | None, name: str) -> dict[str, dict[str, str]]:

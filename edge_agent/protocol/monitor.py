@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.client
 import json
 import urllib.error
 import urllib.request
@@ -34,6 +35,10 @@ class Monitor:
                 body = json.load(exc)
                 return body
             raise MonitorUnavailable(f"{self.base_url}{path}: HTTP {exc.code}") from exc
+        except http.client.HTTPException as exc:  # e.g. a client port, which greets with INFO
+            raise MonitorUnavailable(
+                f"{self.base_url}{path}: not an HTTP monitoring endpoint ({type(exc).__name__})"
+            ) from exc
         except (OSError, ValueError) as exc:
             raise MonitorUnavailable(f"{self.base_url}{path}: {exc}") from exc
 

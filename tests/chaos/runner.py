@@ -130,6 +130,15 @@ class Outcome:
     archive_duplicates: int = 0
     reports: int = 0  # fleet reports that listed every device, taken while a hub node was down
 
+    def assert_exact(self) -> None:
+        """The chaos suite's promise: the hub has every reading the app had a PubAck for, once
+        and in order; commands were sent, none ran twice, each has exactly one result."""
+        summary = self.summary()
+        assert self.produced == self.at_hub and min(self.produced.values()) > 0, summary
+        assert (self.duplicates, self.losses, self.out_of_order) == (0, 0, 0), summary
+        assert self.commands_sent > 0 and self.double_runs == 0, summary
+        assert (self.missing_results, self.extra_results) == (0, 0), summary
+
     def summary(self) -> str:
         return (
             f"chaos seed={self.seed} faults={sum(self.faults.values())} {dict(self.faults)} "
