@@ -194,6 +194,9 @@ async def run_power_cuts(
     chaos: PowerCuts | None = None
     try:
         hub = await start_hub(root)
+        # Its log from the first restart on is kept off the disk that loses power: a failing
+        # run can then be read.
+        hub.server.log_path = root / "hub-nats.log"
         chaos = PowerCuts(
             hub,
             root,
