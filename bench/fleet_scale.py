@@ -270,7 +270,9 @@ async def _quiet(exc: Exception) -> None:
 ISLAND_NICENESS = 19
 
 
-def new_island(root: Path, device_id: str, leaf_urls: list[str], seed: Path) -> Island:
+def new_island(
+    root: Path, device_id: str, leaf_urls: list[str], seed: Path, reconnect: str
+) -> Island:
     home = root / device_id
     data: dict[str, Any] = {
         "device_id": device_id,
@@ -283,7 +285,7 @@ def new_island(root: Path, device_id: str, leaf_urls: list[str], seed: Path) -> 
             "monitor_listen": f"127.0.0.1:{free_port()}",
             "nats_server": NATS_SERVER,
         },
-        "hub": {"urls": leaf_urls, "credentials": str(seed)},
+        "hub": {"urls": leaf_urls, "credentials": str(seed), "reconnect": reconnect},
     }
     config = parse_config(data)
     return Island(config, ServerProcess(config.island.config_path, config.island.monitor_url))
@@ -296,6 +298,7 @@ class Fleet:
     mode: str
     root: Path
     hub: Hub
+    reconnect: str  # the islands' hub.reconnect
     islands: list[Island] = field(default_factory=list)
     mirrors: dict[str, dict[str, str]] = field(default_factory=dict)  # device -> stream -> name
     enrol_total: float = 0.0
@@ -380,7 +383,8 @@ class Fleet:
         """Start `device_id`'s island; again on other ports if another process took one of
         its ports between `free_port` and the server's bind (the machine is shared)."""
         for attempt in range(ATTEMPTS):
-            island = new_island(homes, device_id, self.leaf_urls, homes / device_id / "hub.nk")
+            seed = homes / device_id / "hub.nk"
+            island = new_island(homes, device_id, self.leaf_urls, seed, self.reconnect)
             try:
                 await island.start()
             except MonitorUnavailable:
@@ -576,13 +580,18 @@ async def timed_or_nan(call: Callable[[], Awaitable[object]], what: str) -> floa
     return float("nan")
 
 
-async def start_fleet(mode: str, root: Path, agents: int) -> Fleet:
+async def start_fleet(mode: str, root: Path, args: argparse.Namespace) -> Fleet:
+    compression = args.leaf_compression
     for attempt in range(ATTEMPTS):
         try:
             if mode == "cluster":
-                hub: Hub = await start_cluster_hub(root / f"try{attempt}", watching=False)
+                hub: Hub = await start_cluster_hub(
+                    root / f"try{attempt}", watching=False, leaf_compression=compression
+                )
             else:
-                hub = await start_hub(root / f"try{attempt}", watching=False)
+                hub = await start_hub(
+                    root / f"try{attempt}", watching=False, leaf_compression=compression
+                )
             break
         except MonitorUnavailable:
             # A port taken between `free_port` and the bind (the machine is shared).
@@ -591,10 +600,10 @@ async def start_fleet(mode: str, root: Path, agents: int) -> Fleet:
     # A hub with hundreds of streams (and, on R3, Raft groups) on a busy machine may answer
     # an API request after the client's default 5 s: the bench measures, it does not give up.
     hub.js = hub.nc.jetstream(domain=hub.config.nats.domain, timeout=API_TIMEOUT)
-    fleet = Fleet(mode, root, hub)
+    fleet = Fleet(mode, root, hub, args.reconnect)
     track(*fleet.nodes)
     try:
-        for i in range(agents):
+        for i in range(args.agents):
             await hub.device(f"agent{i}", register_when_ready=True)
         await fleet.attach({d.id for d in hub.devices})
     except BaseException:
@@ -606,7 +615,7 @@ async def start_fleet(mode: str, root: Path, agents: int) -> Fleet:
 async def measure_mode(
     mode: str, root: Path, sizes: Sequence[int], args: argparse.Namespace
 ) -> list[dict[str, float]]:
-    fleet = await start_fleet(mode, root, args.agents)
+    fleet = await start_fleet(mode, root, args)
     rows: list[dict[str, float]] = []
     try:
         for size in sizes:
@@ -831,7 +840,8 @@ def summarise(results: dict[str, list[dict[str, float]]], args: argparse.Namespa
         f"devices={target} enrol_s_per_device={cost['enrol']:.4f} "
         f"hub_rss_mb_per_device={cost['rss']:.3f} restart_resume_s={last['resume']:.1f} "
         f"report_s={last['report']:.3f} mode={mode} measured_up_to={max(runs, default=0)} "
-        f"agents={args.agents} attach_s_per_device={cost['attach']:.4f} "
+        f"agents={args.agents} leaf_compression={args.leaf_compression} "
+        f"reconnect={args.reconnect} attach_s_per_device={cost['attach']:.4f} "
         f"provision_pass_s={last['pass']:.2f} hub_rss_mb={last['rss']:.0f} "
         f"hub_cpu_pct_per_device={cost['cpu']:.4f} status_s={last['status']:.3f} "
         f"restart_up_s={last['up']:.1f} restart_down_s={last['down']:.1f} "
@@ -844,6 +854,14 @@ def main() -> int:
     parser.add_argument("--sizes", default="25,50,100,200", help="simulated devices, ascending")
     parser.add_argument("--modes", default="single,cluster", help="single, cluster or both")
     parser.add_argument("--agents", type=int, default=2, help="real agents in each fleet")
+    parser.add_argument(
+        "--leaf-compression",
+        default="s2_auto",
+        help="the hub's server.leaf_compression (default: the product's, s2_auto)",
+    )
+    parser.add_argument(
+        "--reconnect", default="250ms", help="the islands' hub.reconnect (the product's: 250ms)"
+    )
     parser.add_argument("--idle", type=float, default=10.0, help="idle CPU window, seconds")
     parser.add_argument("--timeout", type=float, default=180.0, help="for each awaited state")
     parser.add_argument(

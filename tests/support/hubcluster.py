@@ -30,7 +30,9 @@ from tests.support.waiting import eventually
 NODES = ("hub-1", "hub-2", "hub-3")
 
 
-def loopback_cluster_config(root: Path, *, replicas: int = 3) -> HubConfig:
+def loopback_cluster_config(
+    root: Path, *, replicas: int = 3, leaf_compression: str = "s2_auto"
+) -> HubConfig:
     nodes = []
     for name in NODES:
         route = free_port()
@@ -50,7 +52,7 @@ def loopback_cluster_config(root: Path, *, replicas: int = 3) -> HubConfig:
             "nats": {"servers": [f"nats://{n['listen']}" for n in nodes]},
             "commands": {"max_bytes": "64MiB"},
             "ingest": {"archive": str(root / "archive"), "checkpoint": str(root / "checkpoint")},
-            "server": {"max_file_store": "1GiB"},
+            "server": {"max_file_store": "1GiB", "leaf_compression": leaf_compression},
             "cluster": {"replicas": replicas, "nodes": nodes},
         }
     )
@@ -124,8 +126,10 @@ class ClusterHub(Hub):
             await self.nodes[node].stop()
 
 
-async def start_cluster_hub(root: Path, *, replicas: int = 3, watching: bool = True) -> ClusterHub:
-    config = loopback_cluster_config(root, replicas=replicas)
+async def start_cluster_hub(
+    root: Path, *, replicas: int = 3, watching: bool = True, leaf_compression: str = "s2_auto"
+) -> ClusterHub:
+    config = loopback_cluster_config(root, replicas=replicas, leaf_compression=leaf_compression)
     write_auth(config, [])
     nodes = {}
     for name in NODES:
