@@ -41,8 +41,10 @@ from nats.js.errors import (
     KeyNotFoundError,
     KeyWrongLastSequenceError,
     NotFoundError,
+    ServiceUnavailableError,
 )
 from nats.js.kv import KeyValue
+from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_exponential_jitter
 
 from edge_agent.protocol.envelope import supersedes
 from edge_agent.protocol.names import HUB_COMMANDS
@@ -165,7 +167,7 @@ async def read_range(
     try:
         pending = info.num_pending or 0
         while pending > 0:
-            batch = await sub.fetch(min(pending, _BATCH), timeout=10)
+            batch = await _fetch(sub, min(pending, _BATCH))
             keep = [m for m in batch if _seq(m) <= last]
             if keep:
                 yield keep
@@ -176,6 +178,18 @@ async def read_range(
         await sub.unsubscribe()
         if info.name is not None:
             await js.delete_consumer(stream, info.name)
+
+
+@retry(
+    retry=retry_if_exception_type(ServiceUnavailableError),
+    stop=stop_after_attempt(5),
+    wait=wait_exponential_jitter(multiplier=0.2, jitter=0.2, max=2.0),
+    reraise=True,
+)
+async def _fetch(sub: JetStreamContext.PullSubscription, count: int) -> list[Msg]:
+    # On a busy cluster a consumer just made answers 503 (no responders) until its leader
+    # is up (seen on an R3 hub with 200 devices): asked again, a few times.
+    return await sub.fetch(count, timeout=10)
 
 
 _Fold = Callable[[str, list[Msg]], Awaitable[None]]
