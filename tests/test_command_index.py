@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 from contextlib import aclosing
 from dataclasses import asdict
 
-from hub_ingest.command_index import RESULT_FILTER, CommandIndex, Tally, _Parsed, read_range
+from nats.js.api import AckPolicy, ConsumerConfig
+
+from hub_ingest.command_index import (
+    RESULT_FILTER,
+    CommandIndex,
+    Tally,
+    _fetch,
+    _Parsed,
+    read_range,
+)
 from hub_ingest.registry import Registry
 from hub_ingest.report import collect_report
 from tests.support.cluster import Hub
@@ -56,3 +66,23 @@ def test_tally_keeps_unanswered_commands_as_ranges() -> None:
     # Retention removed 1..6 from CMD_<id>: only what it still holds is unanswered.
     assert tally.unanswered(7, 9) == [(7, 8)]
     assert Tally.from_json(tally.to_json()) == tally
+
+
+async def test_a_fetch_answered_no_responders_is_asked_again(hub: Hub) -> None:
+    """A consumer whose leader is not up yet answers a fetch with 503 (no responders), as a
+    consumer just made on a busy cluster does: the index asks again rather than failing the
+    report. Here the consumer is gone for half a second, then made again."""
+    await hub.js.publish("cmd.a", b"one")  # COMMANDS listens on cmd.>
+    config = ConsumerConfig(durable_name="probe", ack_policy=AckPolicy.NONE)
+    sub = await hub.js.pull_subscribe("cmd.a", durable="probe", stream="COMMANDS", config=config)
+    await hub.js.delete_consumer("COMMANDS", "probe")
+
+    async def make_again() -> None:
+        await asyncio.sleep(0.5)
+        await hub.js.add_consumer("COMMANDS", config)
+
+    again = asyncio.create_task(make_again())
+    (msg,) = await _fetch(sub, 1)
+    await again
+    assert msg.data == b"one"
+    assert _fetch.statistics["attempt_number"] > 1  # it was answered 503 first
