@@ -271,8 +271,9 @@ ISLAND_NICENESS = 19
 
 
 def new_island(
-    root: Path, device_id: str, leaf_urls: list[str], seed: Path, reconnect: str
+    root: Path, device_id: str, leaf_urls: list[str], seed: Path, retry: tuple[str, str]
 ) -> Island:
+    reconnect, spread = retry
     home = root / device_id
     data: dict[str, Any] = {
         "device_id": device_id,
@@ -285,7 +286,12 @@ def new_island(
             "monitor_listen": f"127.0.0.1:{free_port()}",
             "nats_server": NATS_SERVER,
         },
-        "hub": {"urls": leaf_urls, "credentials": str(seed), "reconnect": reconnect},
+        "hub": {
+            "urls": leaf_urls,
+            "credentials": str(seed),
+            "reconnect": reconnect,
+            "reconnect_spread": spread,
+        },
     }
     config = parse_config(data)
     return Island(config, ServerProcess(config.island.config_path, config.island.monitor_url))
@@ -298,7 +304,7 @@ class Fleet:
     mode: str
     root: Path
     hub: Hub
-    reconnect: str  # the islands' hub.reconnect
+    reconnect: tuple[str, str]  # the islands' hub.reconnect and hub.reconnect_spread
     islands: list[Island] = field(default_factory=list)
     mirrors: dict[str, dict[str, str]] = field(default_factory=dict)  # device -> stream -> name
     enrol_total: float = 0.0
@@ -600,7 +606,7 @@ async def start_fleet(mode: str, root: Path, args: argparse.Namespace) -> Fleet:
     # A hub with hundreds of streams (and, on R3, Raft groups) on a busy machine may answer
     # an API request after the client's default 5 s: the bench measures, it does not give up.
     hub.js = hub.nc.jetstream(domain=hub.config.nats.domain, timeout=API_TIMEOUT)
-    fleet = Fleet(mode, root, hub, args.reconnect)
+    fleet = Fleet(mode, root, hub, (args.reconnect, args.reconnect_spread))
     track(*fleet.nodes)
     try:
         for i in range(args.agents):
@@ -841,7 +847,8 @@ def summarise(results: dict[str, list[dict[str, float]]], args: argparse.Namespa
         f"hub_rss_mb_per_device={cost['rss']:.3f} restart_resume_s={last['resume']:.1f} "
         f"report_s={last['report']:.3f} mode={mode} measured_up_to={max(runs, default=0)} "
         f"agents={args.agents} leaf_compression={args.leaf_compression} "
-        f"reconnect={args.reconnect} attach_s_per_device={cost['attach']:.4f} "
+        f"reconnect={args.reconnect} reconnect_spread={args.reconnect_spread} "
+        f"attach_s_per_device={cost['attach']:.4f} "
         f"provision_pass_s={last['pass']:.2f} hub_rss_mb={last['rss']:.0f} "
         f"hub_cpu_pct_per_device={cost['cpu']:.4f} status_s={last['status']:.3f} "
         f"restart_up_s={last['up']:.1f} restart_down_s={last['down']:.1f} "
@@ -861,6 +868,11 @@ def main() -> int:
     )
     parser.add_argument(
         "--reconnect", default="250ms", help="the islands' hub.reconnect (the product's: 250ms)"
+    )
+    parser.add_argument(
+        "--reconnect-spread",
+        default="0s",
+        help="the islands' hub.reconnect_spread (the product's: 0s)",
     )
     parser.add_argument("--idle", type=float, default=10.0, help="idle CPU window, seconds")
     parser.add_argument("--timeout", type=float, default=180.0, help="for each awaited state")

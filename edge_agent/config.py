@@ -79,6 +79,8 @@ class HubLinkConfig:
     credentials: Path | None
     tls: TlsConfig | None
     reconnect: float
+    # Added per device, a share of it fixed by the device id (`island.leaf_reconnect`).
+    reconnect_spread: float
     compression: str  # of the leaf link; see tomlconf.COMPRESSION_MODES
 
     @property
@@ -141,6 +143,13 @@ class Config:
     commands: CommandsConfig
     outbox: OutboxConfig
     source: Path | None = None
+
+
+def _duration(value: object) -> float:
+    seconds = parse_duration(value)
+    if seconds < 0:
+        raise ValueError(f"expected a duration >= 0, got {value!r}")
+    return seconds
 
 
 def _positive_duration(value: object) -> float:
@@ -261,6 +270,7 @@ def parse_config(data: dict[str, Any], source: Path | None = None) -> Config:
         credentials=hub_sec.get("credentials", path, None),
         tls=_tls(hub_sec.table("tls")),
         reconnect=hub_sec.get("reconnect", _positive_duration, 0.25),
+        reconnect_spread=hub_sec.get("reconnect_spread", _duration, 0.0),
         compression=hub_sec.get("compression", compression, "s2_auto"),
     )
     hub_sec.finish()

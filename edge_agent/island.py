@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -116,7 +117,7 @@ jetstream {{
 }}
 
 leafnodes {{
-  reconnect: {_q(f"{round(hub.reconnect * 1000)}ms")}
+  reconnect: {_q(f"{round(leaf_reconnect(config) * 1000)}ms")}
   remotes: [
     {{
       {remote_block}
@@ -124,6 +125,16 @@ leafnodes {{
   ]
 }}
 """
+
+
+def leaf_reconnect(config: Config) -> float:
+    """Seconds between the leaf remote's attempts: `hub.reconnect` plus this device's share
+    of `hub.reconnect_spread`, fixed by its id. After a hub restart a fleet then arrives over
+    the spread instead of within the same quarter second, which a hub with hundreds of
+    devices cannot take (docs/scaling.md)."""
+    digest = hashlib.sha256(config.device_id.encode()).digest()
+    share = int.from_bytes(digest[:8], "big") / 2**64
+    return config.hub.reconnect + share * config.hub.reconnect_spread
 
 
 def write_config(config: Config, *, link_open: bool = True) -> Path:

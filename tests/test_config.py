@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from edge_agent.cli import main
-from edge_agent.config import load_config, parse_config
+from edge_agent.config import Config, load_config, parse_config
 from edge_agent.errors import ConfigError
-from edge_agent.island import check_config, render_config
+from edge_agent.island import check_config, leaf_reconnect, render_config
 from hub_ingest.auth import new_seed
 from tests.support.cluster import NATS_SERVER, run_cli
 
@@ -107,6 +107,32 @@ def test_rendered_island_config_passes_nats_server_t(tmp_path: Path) -> None:
     path = tmp_path / "island.conf"
     path.write_text(text)
     check_config(NATS_SERVER, path)
+
+
+def test_each_device_gets_its_own_share_of_the_reconnect_spread(tmp_path: Path) -> None:
+    """`hub.reconnect_spread` adds to `hub.reconnect` a share fixed by the device id: one
+    device always renders the same interval, and a fleet's are spread over the whole range
+    (after a hub restart its devices arrive over seconds, not in one quarter second)."""
+
+    def config(device_id: str, spread: str) -> Config:
+        hub = {"urls": ["nats-leaf://127.0.0.1:7422"], "reconnect_spread": spread}
+        return parse_config(
+            {"device_id": device_id, "island": {"max_file_store": "1GiB"}, "hub": hub}
+        )
+
+    fleet = [leaf_reconnect(config(f"sim{i:04d}", "4s")) for i in range(200)]
+    assert all(0.25 <= s < 4.25 for s in fleet)
+    assert min(fleet) < 0.5 and max(fleet) > 4.0  # the whole range is used
+    assert len({round(s, 3) for s in fleet}) > 150  # and not in a few clumps
+    assert leaf_reconnect(config("sim0007", "4s")) == fleet[7]
+    assert {leaf_reconnect(config(f"d{i}", "0s")) for i in range(10)} == {0.25}  # the default
+    one = config("d1", "4s")
+    path = tmp_path / "island.conf"
+    path.write_text(render_config(one))
+    assert f'reconnect: "{round(leaf_reconnect(one) * 1000)}ms"' in path.read_text()
+    check_config(NATS_SERVER, path)
+    with pytest.raises(ConfigError, match=r"hub\.reconnect_spread"):
+        config("d1", "-1s")
 
 
 def test_bad_credentials_file_is_named(tmp_path: Path) -> None:

@@ -25,7 +25,7 @@ KEYS = {
         "nats_server",
         "config_path",
     ],
-    "hub": ["urls", "domain", "credentials", "tls", "reconnect"],
+    "hub": ["urls", "domain", "credentials", "tls", "reconnect", "reconnect_spread"],
     "streams": ["telemetry", "events", "commands"],
 }
 
