@@ -228,8 +228,8 @@ class Agent:
         self._spawn(tg, self._sync_clock(self._nc))
         self._spawn(tg, self._after_ready(executor.run))
         if self.config.commands.fast_resume:
-            self._resume = FastResume(self.config, js, hub_js, self.link, executor)
-            self._spawn(tg, self._after_ready(self._resume.run))
+            resume = self._resume = FastResume(self.config, js, hub_js, self.link, executor)
+            self._spawn(tg, self._after_ready(lambda: resume.run(island_was_fresh=self._fresh())))
         if self.notifier.watchdog_interval is not None:
             self._spawn(tg, self._watchdog(self.notifier.watchdog_interval))
 
@@ -237,11 +237,14 @@ class Agent:
         await self.ready.wait()
         await step()
 
+    def _fresh(self) -> bool:
+        assert self._island_was_fresh is not None  # set by the reconcile before `ready`
+        return self._island_was_fresh
+
     async def _learn_fence(
         self, fence: CommandFence, js: JetStreamContext, hub_js: JetStreamContext
     ) -> None:
-        assert self._island_was_fresh is not None  # set by the reconcile before `ready`
-        await fence.learn(js, hub_js, self.link, self._island_was_fresh)
+        await fence.learn(js, hub_js, self.link, self._fresh())
 
     async def _restart(self) -> None:
         """``agent.restart``: exit (code 75) so that systemd starts the agent again."""

@@ -208,6 +208,11 @@ class Executor:
     def stopping(self) -> bool:
         return self._stopping
 
+    async def fence(self) -> int:
+        """This incarnation's command fence, once known (see `edge_agent.fence`)."""
+        await self._fence.known.wait()
+        return self._fence.value
+
     async def recover(self) -> None:
         """Answer commands a crash interrupted; they are not run a second time."""
         async with self._lock:

@@ -1,8 +1,9 @@
 """The command fence: which commands a re-imaged agent answers without running them.
 
 At-most-once rests on the ledger. A device that is re-imaged (or whose agent state is lost)
-starts with an empty ledger, while its command mirror brings back every command the hub
-still keeps, some of which the old incarnation ran. So an agent with an empty ledger runs no
+starts with an empty ledger, while the hub still keeps commands the old incarnation ran (its
+command mirror brings back those after the hub's consumer position, and fast resume,
+`edge_agent.resume`, reads the ones at or below the fence). So an agent with an empty ledger runs no
 command until it knows its *fence*: commands at or below it in ``CMD_<id>`` are answered
 ``rejected`` ("issued before this incarnation, not run") and never run.
 

@@ -56,8 +56,11 @@ class FastResume:
         # is stalled; only a contact seen this long after the link came back proves it live.
         self._settle = settle
         self.figures = ResumeFigures(0, None, 0)  # for the metrics file
+        # The commands at or below the fence still to be read (see `catch_up`).
+        self._fenced_unread = False
 
-    async def run(self) -> None:
+    async def run(self, *, island_was_fresh: bool) -> None:
+        self._fenced_unread = island_was_fresh
         while not self._executor.stopping:
             await self._link.is_up.wait()
             await self.catch_up()
@@ -67,6 +70,11 @@ class FastResume:
         """Run what the hub has beyond the mirror, until the mirror is live; how many ran."""
         started = time.monotonic()
         cursor = await self._mirror_last_seq()
+        if self._fenced_unread and await self._executor.fence() > 0:
+            # A re-imaged device's fresh mirror starts where its previous incarnation's
+            # consumer had got to, so the commands at or below the fence may never reach it:
+            # they are read here instead and answered "not run".
+            cursor = 0
         ran = 0
         while not self._link.is_down.is_set() and not self._executor.stopping:
             try:
@@ -88,6 +96,8 @@ class FastResume:
             if time.monotonic() - started >= self._settle and await self._mirror_live(cursor):
                 break
             await asyncio.sleep(self._poll_interval)
+        if not self._link.is_down.is_set() and not self._executor.stopping:
+            self._fenced_unread = False
         duration = round(time.monotonic() - started, 3)
         log.info("fast_resume_done", commands=ran, cursor=cursor, duration_s=duration)
         self.figures = ResumeFigures(self.figures.resumes + 1, duration, ran)

@@ -16,6 +16,7 @@ import pytest
 from pyspark.sql import SparkSession
 
 from edge_agent.health import collect_status
+from edge_agent.protocol.names import ISLAND_CONSUMER, command_stream
 from hub_ingest.audit import audit_archive
 from hub_ingest.commands import command_status
 from hub_ingest.localfleet import write_hub_toml
@@ -37,6 +38,13 @@ async def _publish(device: Device, values: range) -> None:
 async def _hub_rows(hub: Hub, subject: str) -> list[bytes]:
     msgs = await stream_messages(hub.js, "FLEET_TELEMETRY")
     return [m.data or b"" for m in msgs if m.subject == subject]
+
+
+async def _confirmed(hub: Hub, device_id: str, seq: int) -> bool:
+    """Whether the consumer the island's command mirror reads through has its ack floor at
+    `seq` (the island told the hub it holds every command up to it)."""
+    info = await hub.js.consumer_info(command_stream(device_id), ISLAND_CONSUMER)
+    return (info.ack_floor.stream_seq if info.ack_floor else 0) >= seq
 
 
 async def _readings(hub: Hub, device_id: str, count: int) -> bool:
@@ -69,6 +77,9 @@ async def test_reimaged_device_loses_nothing_and_runs_no_command_twice(
     before = await send_command(hub, "a", "exec", {"argv": [*counter, str(ran), "0"]})
     await eventually(lambda: _results(hub, before.id), timeout=TIMEOUT, what="first result")
     await eventually(lambda: _readings(hub, "a", 20), timeout=TIMEOUT, what="20 readings")
+    # The island's mirror has confirmed the command to the hub: the re-imaged island's fresh
+    # mirror starts after it, so only fast resume brings it to the new incarnation.
+    await eventually(lambda: _confirmed(hub, "a", 1), timeout=TIMEOUT, what="confirmed")
     (old,) = await _incarnations(hub, "a", 1)
 
     await a.reimage()
