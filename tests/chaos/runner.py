@@ -324,9 +324,17 @@ class Chaos:
         aggregate = await self.hub.js.stream_info(
             "FLEET_TELEMETRY", subjects_filter=f"fleet.{node.id}.tele.>"
         )
-        mirror = await self.hub.js.stream_info(await self.hub.mirror(node.id))
+        name = await self.hub.mirror(node.id)
+        mirror = await self.hub.js.stream_info(name)
         in_aggregate = sum((aggregate.state.subjects or {}).values())
-        return in_aggregate >= node.produced and mirror.state.messages >= node.produced
+        if in_aggregate >= node.produced and mirror.state.messages >= node.produced:
+            return True
+        # Shown if the deadline passes: where the readings stopped, and the mirror's own view.
+        raise AssertionError(
+            f"{name} holds {mirror.state.messages} (last seq {mirror.state.last_seq}, "
+            f"{mirror.state.num_deleted or 0} deleted), the aggregate {in_aggregate}; "
+            f"mirror: {mirror.mirror}"
+        )
 
     async def _results(self) -> list[tuple[str, str]]:
         msgs = await scan(self.hub.js, "FLEET_EVENTS", "fleet.*.evt.*.result")
