@@ -49,6 +49,7 @@ from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_ex
 from edge_agent.protocol.envelope import supersedes
 from edge_agent.protocol.names import HUB_COMMANDS
 from hub_ingest.attribution import Attribution, attribute
+from hub_ingest.buckets import bucket_keys
 from hub_ingest.errors import ReportError
 
 BUCKET = "FLEET_COMMAND_INDEX"
@@ -380,14 +381,10 @@ class CommandIndex:
         return None if entry is None else json_object(entry[0])
 
     async def _matching(self, pattern: str) -> dict[str, dict[str, Any]]:
-        """Every key matching `pattern` and its value. The keys come from the server's own
-        count of the bucket's subjects: a KV watcher can report that it has delivered every
-        current value before it has (nats-py), which left answers out under load."""
-        prefix = f"$KV.{BUCKET}."
-        info = await self._js.stream_info(f"KV_{BUCKET}", subjects_filter=prefix + pattern)
+        """Every key matching `pattern` and its value (keys as `bucket_keys` lists them: a
+        KV watcher left answers out under load)."""
         found: dict[str, dict[str, Any]] = {}
-        for subject in sorted(info.state.subjects or {}):
-            key = subject.removeprefix(prefix)
+        for key in await bucket_keys(self._js, BUCKET, pattern):
             try:
                 entry = await self._kv.get(key)
             except KeyNotFoundError:  # deleted or purged since

@@ -51,6 +51,7 @@ from edge_agent.protocol.names import (
 )
 from edge_agent.protocol.reconcile import Reconciled, mirror_consumer, reconcile_stream
 from edge_agent.protocol.units import parse_time
+from hub_ingest.buckets import bucket_stream
 from hub_ingest.command_index import BUCKET as INDEX_BUCKET
 from hub_ingest.command_index import CommandIndex
 from hub_ingest.config import HubConfig
@@ -65,8 +66,8 @@ MANAGED_BY = {"managed-by": "hub-ingest"}
 # `to_device_prefix`). Another stream listening on any of them would store fleet messages a
 # second time, or take them from the streams that should have them.
 _ROUNDS = 5  # of provisioning, while the registry changes under it
-REGISTRY_STREAM = f"KV_{BUCKET}"
-INDEX_STREAM = f"KV_{INDEX_BUCKET}"
+REGISTRY_STREAM = bucket_stream(BUCKET)
+INDEX_STREAM = bucket_stream(INDEX_BUCKET)
 FLEET_SUBJECTS = ("cmd.>", "fleet.>", "tele.>", "evt.>", "hubin.>", "devin.>")
 
 

@@ -28,6 +28,7 @@ from nats.js.kv import KeyValue
 
 from edge_agent.protocol.names import js_api
 from edge_agent.protocol.units import utc_now_iso
+from hub_ingest.buckets import bucket_keys
 from hub_ingest.errors import RegistryError
 
 _WRITE_ATTEMPTS = 10  # optimistic writes that lost a race are retried this often
@@ -102,15 +103,10 @@ class Registry:
         return cls(js, kv)
 
     async def list(self) -> list[Device]:
-        # The keys come from the server's count of the bucket's subjects. nats-py's
-        # `keys()` is a watcher that can say it is done before it has delivered every key
-        # (an empty or short fleet under load) or deliver one twice on a cluster.
-        prefix = f"$KV.{BUCKET}."
-        info = await self._js.stream_info(f"KV_{BUCKET}", subjects_filter=prefix + ">")
         devices = []
-        for subject in sorted(info.state.subjects or {}):
+        for device_id in await bucket_keys(self._js, BUCKET):
             try:
-                devices.append(await self.get(subject.removeprefix(prefix)))
+                devices.append(await self.get(device_id))
             except RegistryError:  # removed since: its subject keeps the delete marker
                 continue
         return devices
