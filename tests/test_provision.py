@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import subprocess
 from dataclasses import replace
 from pathlib import Path
@@ -11,6 +13,7 @@ from pathlib import Path
 import pytest
 from nats.js.api import StreamConfig
 
+from edge_agent.protocol.reconcile import reconcile_stream
 from hub_ingest.auth import ensure_operator_key, public_key
 from hub_ingest.commands import new_envelope, send
 from hub_ingest.errors import RegistryError
@@ -287,3 +290,23 @@ async def test_a_device_enrolled_after_a_broadcast_does_not_receive_it(hub: Hub)
 
 async def _holds(hub: Hub, stream: str, count: int) -> bool:
     return (await hub.js.stream_info(stream)).state.messages >= count
+
+
+async def test_a_stream_is_reconciled_across_a_server_that_stops_answering_for_a_moment(
+    hub: Hub,
+) -> None:
+    """A busy cluster node can leave a stream request unanswered for a while (a stream made a
+    moment ago has no leader yet): reconciling asks again instead of failing `provision`."""
+    want = StreamConfig(name="PAUSED", subjects=["paused.>"], metadata={"x": "1"})
+    js = hub.nc.jetstream(domain=hub.config.nats.domain, timeout=0.5)
+    assert hub.server.proc is not None
+    pid = hub.server.proc.pid
+    os.kill(pid, signal.SIGSTOP)
+    resumed = asyncio.get_running_loop().call_later(1.2, os.kill, pid, signal.SIGCONT)
+    try:
+        result = await reconcile_stream(js, want)
+    finally:
+        resumed.cancel()
+        os.kill(pid, signal.SIGCONT)
+    assert result.change == "created"
+    assert (await hub.js.stream_info("PAUSED")).config.subjects == ["paused.>"]

@@ -6,9 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, StreamConfig
-from nats.js.errors import APIError, NotFoundError
+from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
+from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_exponential_jitter
 
 from edge_agent.protocol.errors import StreamError
 
@@ -68,20 +70,33 @@ async def reconcile_stream(js: JetStreamContext, want: StreamConfig) -> Reconcil
     """Create `want`, or bring the existing stream of that name in line with it."""
     assert want.name is not None
     try:
-        try:
-            have = (await js.stream_info(want.name)).config
-        except NotFoundError:
-            await js.add_stream(want)
-            return Reconciled(want.name, "created")
-        changed = _differs(want, have)
-        if not changed:
-            return Reconciled(want.name, "unchanged")
-        if "mirror" in changed:
-            # A mirror's origin cannot be edited; the copy is rebuilt from its origin.
-            await js.delete_stream(want.name)
-            await js.add_stream(want)
-            return Reconciled(want.name, "recreated", tuple(changed))
-        await js.update_stream(want)
-        return Reconciled(want.name, "updated", tuple(changed))
+        return await _reconcile(js, want, want.name)
     except APIError as exc:
         raise StreamError(f"stream {want.name}: {exc.description} (code {exc.err_code})") from exc
+
+
+@retry(
+    # On a busy cluster a stream made a moment ago (by another provisioner) has no leader
+    # yet, and its info request times out or gets no responders (seen on a 3-node hub under
+    # load); each step below is idempotent, so the whole is simply asked again, a few times.
+    retry=retry_if_exception_type((NatsTimeoutError, ServiceUnavailableError)),
+    stop=stop_after_attempt(4),
+    wait=wait_exponential_jitter(multiplier=0.5, jitter=0.5, max=4.0),
+    reraise=True,
+)
+async def _reconcile(js: JetStreamContext, want: StreamConfig, name: str) -> Reconciled:
+    try:
+        have = (await js.stream_info(name)).config
+    except NotFoundError:
+        await js.add_stream(want)
+        return Reconciled(name, "created")
+    changed = _differs(want, have)
+    if not changed:
+        return Reconciled(name, "unchanged")
+    if "mirror" in changed:
+        # A mirror's origin cannot be edited; the copy is rebuilt from its origin.
+        await js.delete_stream(name)
+        await js.add_stream(want)
+        return Reconciled(name, "recreated", tuple(changed))
+    await js.update_stream(want)
+    return Reconciled(name, "updated", tuple(changed))

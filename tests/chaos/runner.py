@@ -30,7 +30,7 @@ from edge_agent.health import collect_status
 from edge_agent.island import pid_file
 from hub_ingest.commands import Envelope, new_envelope, send
 from hub_ingest.registry import Registry
-from hub_ingest.report import collect_report
+from hub_ingest.report import HubApi, collect_report
 from tests.chaos.schedule import Action, draw_schedule
 from tests.support.agent_process import AgentProcess
 from tests.support.cluster import Device, Hub, write_agent_config
@@ -330,10 +330,12 @@ class Chaos:
         if in_aggregate >= node.produced and mirror.state.messages >= node.produced:
             return True
         # Shown if the deadline passes: where the readings stopped, and the mirror's own view.
+        api = HubApi(self.hub.nc, self.hub.config.nats.domain)
+        info = await api.request(f"STREAM.INFO.{name}", {"deleted_details": True}) or {}
         raise AssertionError(
             f"{name} holds {mirror.state.messages} (last seq {mirror.state.last_seq}, "
-            f"{mirror.state.num_deleted or 0} deleted), the aggregate {in_aggregate}; "
-            f"mirror: {mirror.mirror}"
+            f"deleted {info.get('state', {}).get('deleted')}), the aggregate {in_aggregate}; "
+            f"leader {info.get('cluster', {}).get('leader')}; mirror: {mirror.mirror}"
         )
 
     async def _results(self) -> list[tuple[str, str]]:
