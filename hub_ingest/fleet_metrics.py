@@ -12,12 +12,13 @@ _PER_DEVICE: tuple[tuple[str, str, str], ...] = (
     ("hub_device_link_up", "1 while the device's leaf link is up (no sample: unknown)", "link"),
     ("hub_device_last_seen_seconds", "since the hub last heard from the device", "seen"),
     ("hub_device_lag", "messages the hub's aggregates still lack of the device", "lag"),
-    ("hub_device_flagged", "1 when the report flags the device (silent, never seen)", "flag"),
+    ("hub_device_flagged", "1 when the report flags the device (silent, never seen, gap)", "flag"),
     ("hub_device_commands_pending", "commands waiting for the device's result", "pending"),
     ("hub_device_commands_failed", "results other than ok, since the index began", "failed"),
     ("hub_device_telemetry_dropped", "readings the device's budget forced out", "dropped"),
     ("hub_device_dead_letters", "outbox rows the device's island refused for good", "dead"),
     ("hub_device_forged_events", "results and heartbeats claiming another device", "forged"),
+    ("hub_device_hub_skipped", "sequences the hub's copies of its streams skipped", "skipped"),
 )
 
 
@@ -32,6 +33,7 @@ def _value(device: DeviceReport, what: str) -> float | None:
         "dropped": device.telemetry_dropped,
         "dead": device.dead_letters,
         "forged": device.forged_events,
+        "skipped": device.skipped,
     }
     value = values[what]
     return None if value is None else float(value)

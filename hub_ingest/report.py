@@ -62,6 +62,9 @@ class SourceState:
     lag: int | None
     last_active_s: float | None  # None: the hub never heard from this source
     error: str | None
+    # Sequences inside the hub's mirror's range that it does not hold (None: no mirror):
+    # skipped because the device's budget removed them first, or lost on the hub's side.
+    skipped: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +99,7 @@ class DeviceReport:
     dead_letters: int | None
     commands: CommandCounts
     last_error: CommandError | None
-    flags: tuple[str, ...]  # "never_seen" or "silent"
+    flags: tuple[str, ...]  # "never_seen" or "silent", and "hub_gap"
     # Every incarnation of the device's streams the hub has seen, oldest first: a new one
     # means the device was re-imaged (or its store replaced) at about `seen_at`.
     incarnations: tuple[Incarnation, ...] = ()
@@ -126,6 +129,11 @@ class DeviceReport:
     def lag(self) -> int | None:
         lags = [s.lag for s in self.sources if s.lag is not None]
         return sum(lags) if lags else None
+
+    @property
+    def skipped(self) -> int | None:
+        skips = [s.skipped for s in self.sources if s.skipped is not None]
+        return sum(skips) if skips else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -380,6 +388,7 @@ def _source_state(
         )
     wanted = mirror_name(device.device_id, current)
     link = (mirror or {}).get("mirror") or {}
+    skipped = (mirror.get("state") or {}).get("num_deleted", 0) if mirror else None
     for src in (info or {}).get("sources") or []:
         if src.get("name") == wanted:
             active = link.get("active")
@@ -394,8 +403,9 @@ def _source_state(
                 if isinstance(active, int) and active >= 0
                 else None,
                 error=error.get("description") if isinstance(error, dict) else error,
+                skipped=skipped,
             )
-    return SourceState(name, aggregate.device_stream, False, None, None, "not sourced")
+    return SourceState(name, aggregate.device_stream, False, None, None, "not sourced", skipped)
 
 
 async def _mirror_info(api: HubApi, device: Device, device_stream: str) -> dict[str, Any] | None:
@@ -405,12 +415,31 @@ async def _mirror_info(api: HubApi, device: Device, device_stream: str) -> dict[
     )
 
 
-def _flags(last_seen_s: float | None, silent_after: float) -> tuple[str, ...]:
+def _flags(
+    last_seen_s: float | None, silent_after: float, gaps: Mapping[str, tuple[int, int]]
+) -> tuple[str, ...]:
+    flags = []
     if last_seen_s is None:
-        return ("never_seen",)
-    if last_seen_s > silent_after:
-        return ("silent",)
-    return ()
+        flags.append("never_seen")
+    elif last_seen_s > silent_after:
+        flags.append("silent")
+    if gaps:
+        flags.append("hub_gap")
+    return tuple(flags)
+
+
+def hub_gaps(
+    sources: Iterable[SourceState], heartbeat: Mapping[str, Any] | None
+) -> dict[str, tuple[int, int]]:
+    """Per device stream, (skipped, dropped) where the hub's mirror skipped more sequences
+    than the device says its budget removed: those were lost between the device's store and
+    the hub's (`hub-ingest audit` names the ranges). Skips up to the drops are the budget's."""
+    gaps = {}
+    for source in sources:
+        dropped = _beat_figure(heartbeat, "streams", source.device_stream, "dropped") or 0
+        if source.skipped and source.skipped > dropped:
+            gaps[source.device_stream] = (source.skipped, dropped)
+    return gaps
 
 
 async def collect_report(
@@ -470,6 +499,12 @@ async def collect_report(
         if tally.forged:
             forged.note(Attribution(device.device_id, tally.forged_example), tally.forged)
         counts, last_error = await _command_state(api, js, tally, device.device_id, now)
+        gaps = hub_gaps(sources, heartbeat)
+        warnings.extend(
+            f"device {device.device_id}: the hub's copy of its {stream} skipped {skipped} "
+            f"sequences, the device reports dropping {dropped} (hub-ingest audit names them)"
+            for stream, (skipped, dropped) in gaps.items()
+        )
         reports.append(
             DeviceReport(
                 device_id=device.device_id,
@@ -486,7 +521,7 @@ async def collect_report(
                 dead_letters=_beat_figure(heartbeat, "outbox", "dead_letters"),
                 commands=counts,
                 last_error=last_error,
-                flags=_flags(last_seen, silent_after),
+                flags=_flags(last_seen, silent_after, gaps),
                 incarnations=device.incarnations,
                 forged_events=forged.counts[device.device_id],
                 uplinks=_beat_uplinks(heartbeat),

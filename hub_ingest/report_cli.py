@@ -97,7 +97,8 @@ LEGEND = (
     "of the newest heartbeat. LAG: messages the hub's aggregates still lack. ACTIVE: last "
     "contact of the device's streams with the hub. PEND, DONE, FAIL: commands waiting, "
     "answered ok, failed. SILENT: not heard from within --silent-after; NEVER SEEN: never "
-    "heard from. Flagged devices come first; > lines say what went wrong."
+    "heard from; HUB GAP: the hub's copy of a stream skipped more than the device dropped "
+    "(see the warnings). Flagged devices come first; > lines say what went wrong."
 )
 
 

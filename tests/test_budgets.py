@@ -17,16 +17,24 @@ from hub_ingest.report import collect_report
 from tests.support.cluster import Hub, run_cli, write_agent_config
 from tests.support.waiting import RESUME_TIMEOUT, eventually
 
-READINGS, NOTES = 2000, 100
+READINGS, NOTES, BEFORE = 2000, 100, 10
 
 
 async def test_telemetry_overflow_counted_events_intact(hub: Hub, tmp_path: Path) -> None:
     """2,000 readings into a 64 KiB telemetry budget while the link is down, with 100 events
     in between: the oldest readings go, status, heartbeat and the hub report count exactly
-    how many, and every event reaches the hub."""
+    how many, and every event reaches the hub. The hub's copy, which had the first ten,
+    skips the rest of what went: the device's drops explain it, so nothing is flagged."""
     budgets = {"telemetry": {"max_bytes": "64KiB"}, "events": {"max_bytes": "4MiB"}}
     a = await hub.device(
         "a", sections={"streams": budgets}, heartbeat_interval="1s", register_when_ready=True
+    )
+    for i in range(BEFORE):
+        await a.js.publish("tele.temp", json.dumps({"i": i}).encode())
+    await eventually(
+        lambda: _count(hub, "FLEET_TELEMETRY", "fleet.a.tele.>", BEFORE),
+        timeout=RESUME_TIMEOUT,
+        what=f"the first {BEFORE} readings at the hub",
     )
     a.proxy.cut()
     await a.wait_link(up=False)
@@ -38,7 +46,7 @@ async def test_telemetry_overflow_counted_events_intact(hub: Hub, tmp_path: Path
     status = await collect_status(a.config)
     tele, events = status.streams["TELEMETRY"], status.streams["EVENTS"]
     assert tele.bytes <= 64 * 1024 and tele.dropped > 0
-    assert tele.dropped + tele.messages == READINGS == tele.last_seq
+    assert tele.dropped + tele.messages == BEFORE + READINGS == tele.last_seq
     assert events.dropped == 0
     notes = await a.js.stream_info("EVENTS", subjects_filter="evt.a.note")
     assert sum((notes.state.subjects or {}).values()) == NOTES
@@ -55,17 +63,21 @@ async def test_telemetry_overflow_counted_events_intact(hub: Hub, tmp_path: Path
         return report.devices[0].telemetry_dropped == tele.dropped
 
     await eventually(reported, timeout=RESUME_TIMEOUT, what="drops in the hub report")
-    # The hub got exactly what the budget kept: kept + dropped = produced.
+    # The hub got exactly what had crossed and what the budget kept.
     await eventually(
-        lambda: _count(hub, "FLEET_TELEMETRY", "fleet.a.tele.>", tele.messages),
+        lambda: _count(hub, "FLEET_TELEMETRY", "fleet.a.tele.>", BEFORE + tele.messages),
         timeout=RESUME_TIMEOUT,
-        what=f"{tele.messages} kept readings at the hub",
+        what=f"{BEFORE} + {tele.messages} kept readings at the hub",
     )
     await eventually(
         lambda: _count(hub, "FLEET_EVENTS", "fleet.a.evt.a.note", NOTES),
         timeout=RESUME_TIMEOUT,
         what="every event at the hub",
     )
+    devices = await (await Registry.open(hub.js)).list()
+    (device,) = (await collect_report(hub.nc, hub.config, devices, silent_after=60)).devices
+    telemetry = next(s for s in device.sources if s.device_stream == "TELEMETRY")
+    assert telemetry.skipped == tele.dropped - BEFORE and "hub_gap" not in device.flags
 
 
 async def _count(hub: Hub, stream: str, subject: str, expected: int) -> bool:
