@@ -187,6 +187,7 @@ class FleetReport:
                     "flagged": d.flagged,
                     "incarnation": d.incarnation,
                     "incarnation_changed_at": d.incarnation_changed_at,
+                    "skipped": d.skipped,
                 }
                 for d in self.devices
             ],

@@ -406,6 +406,7 @@ async def test_a_hub_copy_that_skipped_what_the_device_still_holds_is_flagged(hu
     assert device.flags == ("hub_gap",)
     telemetry = next(s for s in device.sources if s.device_stream == "TELEMETRY")
     assert telemetry.skipped == 3 and device.skipped == 3  # 6, 7 and 8
+    assert report.to_dict()["devices"][0]["skipped"] == 3  # the README's `.skipped`
     assert report.warnings == (
         "device a: the hub's copy of its TELEMETRY skipped 3 sequences, the device reports "
         "dropping 0 (hub-ingest audit names them)",
