@@ -10,6 +10,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from hub_ingest.errors import IngestError
+from hub_ingest.refill import REFILL_HEADER
 
 _NO_TEXT = pa.scalar(None, pa.string())
 
@@ -80,32 +81,45 @@ def header_map(stored: pa.Array) -> pa.MapArray:
 
 @dataclass(frozen=True, slots=True)
 class Origin:
-    """Per row, from ``Nats-Stream-Source``: the hub mirror it was sourced from, the sequence
-    there (the device's own: a mirror keeps sequences) and the subject as published; null
-    for a row that has no such header."""
+    """Per row, from ``Nats-Stream-Source`` (or, for a refilled row, ``Edge-Refill-Of``): the
+    hub mirror it came from, the sequence there (the device's own: a mirror keeps sequences),
+    the subject as published, and for a refilled row the device's store time (its mirror
+    never held it); null for a row that has no such header."""
 
     mirror: pa.Array
     seq: pa.Array
     subject: pa.Array
+    time: pa.Array
 
 
 def origin_of(headers: pa.MapArray) -> Origin:
+    refill = header_values(headers, REFILL_HEADER)
+    refilled = pc.is_valid(refill)
+    # "<stream>[:<hash>] <seq> <filter> <transform> <subject> …", or "<mirror> <seq> <subject>
+    # <time>" for a refilled row.
+    fields = pc.split_pattern(
+        pc.coalesce(refill, header_values(headers, "Nats-Stream-Source")), " "
+    )
+    stream = pc.list_element(pc.split_pattern(pc.list_element(fields, 0), ":", max_splits=1), 0)
+    subject = pc.if_else(refilled, _element_or_null(fields, 2), _element_or_null(fields, 4))
+    time = pc.if_else(refilled, _element_or_null(fields, 3), _NO_TEXT)
+    return Origin(
+        mirror=stream,
+        seq=pc.cast(pc.list_element(fields, 1), pa.int64()),
+        subject=subject,
+        time=timestamps(time),
+    )
+
+
+def header_values(headers: pa.MapArray, name: str) -> pa.Array:
+    """Each row's value of header `name` (its last one), null where the row has none."""
     rows = len(headers)
-    is_source = pc.equal(headers.keys, "Nats-Stream-Source")
-    # "<stream>[:<hash>] <seq> <filter> <transform> <subject> …"
-    fields = pc.split_pattern(pc.filter(headers.items, is_source), " ")
+    is_name = pc.equal(headers.keys, name)
     entries = np.diff(headers.offsets.to_numpy())
-    owner = np.repeat(np.arange(rows), entries)[is_source.to_numpy(zero_copy_only=False)]
+    owner = np.repeat(np.arange(rows), entries)[is_name.to_numpy(zero_copy_only=False)]
     index = np.full(rows, -1)
     index[owner] = np.arange(len(owner))
-    at = pa.array(index, mask=index < 0)  # null: the row has no source header
-    stream = pc.list_element(pc.split_pattern(pc.list_element(fields, 0), ":", max_splits=1), 0)
-    subject = _element_or_null(fields, 4)
-    return Origin(
-        mirror=pc.take(stream, at),
-        seq=pc.take(pc.cast(pc.list_element(fields, 1), pa.int64()), at),
-        subject=pc.take(subject, at),
-    )
+    return pc.take(pc.filter(headers.items, is_name), pa.array(index, mask=index < 0))
 
 
 def suspect(

@@ -19,6 +19,10 @@ _PER_DEVICE: tuple[tuple[str, str, str], ...] = (
     ("hub_device_dead_letters", "outbox rows the device's island refused for good", "dead"),
     ("hub_device_forged_events", "results and heartbeats claiming another device", "forged"),
     ("hub_device_hub_skipped", "sequences the hub's copies of its streams skipped", "skipped"),
+    ("hub_device_refilled", "skipped readings refilled from the device's island", "refilled"),
+    ("hub_device_lost", "skipped readings the island no longer had (all reasons)", "lost"),
+    ("hub_device_gap_pending", "skipped readings waiting for the island to answer", "gap"),
+    ("hub_device_gap_pending_seconds", "since the oldest pending gap was seen", "gap_age"),
 )
 
 
@@ -34,6 +38,10 @@ def _value(device: DeviceReport, what: str) -> float | None:
         "dead": device.dead_letters,
         "forged": device.forged_events,
         "skipped": device.skipped,
+        "refilled": device.gaps.refilled,
+        "lost": sum(device.gaps.lost.values()),
+        "gap": device.gaps.pending,
+        "gap_age": device.gaps.pending_age_s,
     }
     value = values[what]
     return None if value is None else float(value)

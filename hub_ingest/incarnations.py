@@ -45,7 +45,8 @@ from edge_agent.protocol.names import (
 )
 from edge_agent.protocol.units import utc_now_iso
 from hub_ingest.config import HubConfig
-from hub_ingest.provision import provision
+from hub_ingest.provision import mirror_targets, provision
+from hub_ingest.refill import Refiller
 from hub_ingest.registry import Device, Incarnation, Registry
 
 log = structlog.get_logger(__name__)
@@ -163,12 +164,19 @@ class _Fleet:
         self._read_at = -RECHECK_S
 
     async def device(self, leaf_name: str) -> Device | None:
-        age = time.monotonic() - self._read_at
-        if age >= RECHECK_S or (leaf_name not in self._by_leaf and age >= 1.0):
+        await self._read(stale_after=1.0 if leaf_name not in self._by_leaf else RECHECK_S)
+        return self._by_leaf.get(leaf_name)
+
+    async def devices(self) -> list[Device]:
+        """Every registered device, as read at most `RECHECK_S` ago."""
+        await self._read(stale_after=RECHECK_S)
+        return list({d.device_id: d for d in self._by_leaf.values()}.values())
+
+    async def _read(self, stale_after: float) -> None:
+        if time.monotonic() - self._read_at >= stale_after:
             devices = await self._registry.list()
             self._by_leaf = {n: d for d in devices for n in (island_name(d.device_id), d.domain)}
             self._read_at = time.monotonic()
-        return self._by_leaf.get(leaf_name)
 
     def forget(self) -> None:
         self._read_at = -RECHECK_S
@@ -191,8 +199,12 @@ async def watch(
         try:
             if rounds is None:
                 registry = await Registry.open(js)
-                rounds = _Rounds(js, nc, config, registry, _Fleet(registry))
-            await rounds.run(await monitor.get("/leafz"))
+                rounds = _Rounds(
+                    js, nc, config, registry, _Fleet(registry), Refiller(js, nc, config)
+                )
+            leafz = await monitor.get("/leafz")
+            await rounds.run(leafz)
+            await rounds.refill(leafz)
             if failing is not None:
                 log.info("incarnation_watch_recovered", failed_rounds=failing[1])
                 failing = None
@@ -213,6 +225,7 @@ class _Rounds:
     config: HubConfig
     registry: Registry
     fleet: _Fleet
+    refiller: Refiller
     # device → (its leaf connection id, when both its streams last answered)
     checked: dict[str, tuple[int, float]] = field(default_factory=dict)
     # A recorded incarnation whose streams are not provisioned yet (the hub failed in between,
@@ -245,3 +258,12 @@ class _Rounds:
         if self.unprovisioned:  # one pass for every device recorded in this round
             await provision(self.js, self.config, await self.registry.list())
             self.unprovisioned = False
+
+    async def refill(self, leafz: Mapping[str, object]) -> None:
+        """Heal what the hub's mirrors skipped, from the islands linked now."""
+        linked = set()
+        for name in _leaf_ids(leafz):
+            device = await self.fleet.device(name)
+            if device is not None:
+                linked.add(device.device_id)
+        await self.refiller.tick(mirror_targets(await self.fleet.devices()), linked)

@@ -56,6 +56,8 @@ from hub_ingest.command_index import BUCKET as INDEX_BUCKET
 from hub_ingest.command_index import CommandIndex
 from hub_ingest.config import HubConfig
 from hub_ingest.errors import ProvisionError
+from hub_ingest.refill import BUCKET as GAPS_BUCKET
+from hub_ingest.refill import REFILL_STREAM, Target, open_bucket, refill_source, refill_stream
 from hub_ingest.registry import BUCKET, Device, Incarnation, Registry
 
 log = structlog.get_logger(__name__)
@@ -68,7 +70,8 @@ MANAGED_BY = {"managed-by": "hub-ingest"}
 _ROUNDS = 5  # of provisioning, while the registry changes under it
 REGISTRY_STREAM = bucket_stream(BUCKET)
 INDEX_STREAM = bucket_stream(INDEX_BUCKET)
-FLEET_SUBJECTS = ("cmd.>", "fleet.>", "tele.>", "evt.>", "hubin.>", "devin.>")
+GAPS_STREAM = bucket_stream(GAPS_BUCKET)
+FLEET_SUBJECTS = ("cmd.>", "fleet.>", "tele.>", "evt.>", "hubin.>", "devin.>", "refill.>")
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +139,20 @@ def device_mirror(config: HubConfig, device: Device, incarnation: Incarnation) -
 
 def device_mirrors(config: HubConfig, device: Device) -> list[StreamConfig]:
     return [device_mirror(config, device, i) for i in device.incarnations]
+
+
+def mirror_targets(devices: Iterable[Device]) -> dict[str, Target]:
+    """Every hub mirror of `devices` by name, with the aggregate that sources it."""
+    found = {}
+    for device in devices:
+        for incarnation in device.incarnations:
+            for aggregate in AGGREGATES:
+                if aggregate.device_stream == incarnation.stream:
+                    name = mirror_name(device.device_id, incarnation)
+                    found[name] = Target(
+                        name, device, incarnation, aggregate.stream_name(device.shard)
+                    )
+    return found
 
 
 def device_commands(config: HubConfig, device: Device) -> StreamConfig:
@@ -227,6 +244,8 @@ def aggregate_streams(
         for shard in sorted(by_shard):
             sources = [s for d in by_shard[shard] for s in device_sources(aggregate, d)]
             name = aggregate.stream_name(shard)
+            if sources:  # what the hub's mirrors skipped, read again from the islands
+                sources.append(refill_source(name))
             streams.append(
                 StreamConfig(
                     name=name,
@@ -295,7 +314,11 @@ def subjects_overlap(a: str, b: str) -> bool:
 
 def _ours(name: str) -> bool:
     """Names hub-ingest manages: a stream of another owner under one of them is a clash."""
-    return name == HUB_COMMANDS or name.startswith(("CMD_", "EDGE_")) or bool(_shard_of(name))
+    return (
+        name in (HUB_COMMANDS, REFILL_STREAM)
+        or name.startswith(("CMD_", "EDGE_"))
+        or bool(_shard_of(name))
+    )
 
 
 def _clash(config: dict[str, Any], adopt: bool) -> str | None:
@@ -366,11 +389,13 @@ async def _provision_once(
         # report or status: made while a node is down, its replica group may be left
         # without a leader when another node goes (seen on a 3-node hub).
         await CommandIndex.open(js, config.replicas)
+        await open_bucket(js, config.replicas)
         results = [
-            await _bucket_replicas(js, REGISTRY_STREAM, config.replicas),
-            await _bucket_replicas(js, INDEX_STREAM, config.replicas),
+            await _bucket_replicas(js, stream, config.replicas)
+            for stream in (REGISTRY_STREAM, INDEX_STREAM, GAPS_STREAM)
         ]
         results.append(await reconcile_stream(js, commands_stream(config)))
+        results.append(await reconcile_stream(js, refill_stream(config)))
         results += [await provision_commands(js, config, d) for d in devices]
         for want in [*mirrors, *aggregate_streams(config, devices, shards)]:
             results.append(await reconcile_stream(js, want))

@@ -44,6 +44,7 @@ from hub_ingest.command_index import CommandIndex, Tally, json_object, read_rang
 from hub_ingest.config import HubConfig, ServerConfig
 from hub_ingest.errors import ReportError
 from hub_ingest.provision import AGGREGATES, mirror_name
+from hub_ingest.refill import MirrorGaps, read_gaps
 from hub_ingest.registry import Device, Incarnation
 
 SCHEMA = "hub-ingest.report/1"
@@ -83,6 +84,37 @@ class CommandError:
 
 
 @dataclass(frozen=True, slots=True)
+class GapCounts:
+    """What the hub's mirrors of a device skipped and what became of it (`hub_ingest.refill`),
+    summed over its streams and incarnations."""
+
+    refilled: int = 0  # read again from the island
+    in_aggregate: int = 0  # the aggregate had kept them
+    lost: Mapping[str, int] = field(default_factory=dict)  # reason → readings
+    pending: int = 0  # waiting for the island to answer
+    pending_age_s: float | None = None  # since the oldest pending gap was first seen
+
+    @classmethod
+    def of(cls, records: Iterable[MirrorGaps], now: datetime) -> GapCounts:
+        records = list(records)
+        lost: Counter[str] = Counter()
+        for record in records:
+            lost.update(record.lost_counts())
+        since = [t for r in records if r.pending and (t := parse_time(r.pending_since))]
+        return cls(
+            refilled=sum(r.refilled for r in records),
+            in_aggregate=sum(r.in_aggregate for r in records),
+            lost=dict(sorted(lost.items())),
+            pending=sum(r.pending_count for r in records),
+            pending_age_s=round((now - min(since)).total_seconds(), 3) if since else None,
+        )
+
+    def accounted(self) -> int:
+        """Skips the refill has looked at."""
+        return self.refilled + self.in_aggregate + sum(self.lost.values()) + self.pending
+
+
+@dataclass(frozen=True, slots=True)
 class DeviceReport:
     device_id: str
     domain: str
@@ -99,7 +131,9 @@ class DeviceReport:
     dead_letters: int | None
     commands: CommandCounts
     last_error: CommandError | None
-    flags: tuple[str, ...]  # "never_seen" or "silent", and "hub_gap"
+    # "never_seen" or "silent"; "hub_gap" (skips the refill has not looked at yet),
+    # "gap_pending" (skips waiting for the island), "lost" (skips the island no longer had)
+    flags: tuple[str, ...]
     # Every incarnation of the device's streams the hub has seen, oldest first: a new one
     # means the device was re-imaged (or its store replaced) at about `seen_at`.
     incarnations: tuple[Incarnation, ...] = ()
@@ -108,6 +142,7 @@ class DeviceReport:
     # Per outbound stream, as of the latest heartbeat: when a message last crossed, the
     # backlog still on the device (messages, bytes) and its time to drain at the current rate.
     uplinks: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    gaps: GapCounts = field(default_factory=GapCounts)
 
     @property
     def incarnation(self) -> str | None:
@@ -417,30 +452,60 @@ async def _mirror_info(api: HubApi, device: Device, device_stream: str) -> dict[
 
 
 def _flags(
-    last_seen_s: float | None, silent_after: float, gaps: Mapping[str, tuple[int, int]]
+    last_seen_s: float | None,
+    silent_after: float,
+    unexamined: Mapping[str, tuple[int, int]],
+    gaps: GapCounts,
 ) -> tuple[str, ...]:
     flags = []
     if last_seen_s is None:
         flags.append("never_seen")
     elif last_seen_s > silent_after:
         flags.append("silent")
-    if gaps:
+    if unexamined:
         flags.append("hub_gap")
+    if gaps.pending:
+        flags.append("gap_pending")
+    if any(reason != "evicted" for reason in gaps.lost):  # evictions are the budget's drops
+        flags.append("lost")
     return tuple(flags)
 
 
 def hub_gaps(
-    sources: Iterable[SourceState], heartbeat: Mapping[str, Any] | None
+    sources: Iterable[SourceState],
+    heartbeat: Mapping[str, Any] | None,
+    accounted: Mapping[str, int] | None = None,
 ) -> dict[str, tuple[int, int]]:
     """Per device stream, (skipped, dropped) where the hub's mirror skipped more sequences
-    than the device says its budget removed: those were lost between the device's store and
-    the hub's (`hub-ingest audit` names the ranges). Skips up to the drops are the budget's."""
+    than the refill has looked at (`accounted`, per device stream) plus what the device says
+    its budget removed: not yet refilled nor counted lost (`hub-ingest audit` names them)."""
     gaps = {}
     for source in sources:
         dropped = _beat_figure(heartbeat, "streams", source.device_stream, "dropped") or 0
-        if source.skipped and source.skipped > dropped:
-            gaps[source.device_stream] = (source.skipped, dropped)
+        skipped = (source.skipped or 0) - (accounted or {}).get(source.device_stream, 0)
+        if skipped > dropped:
+            gaps[source.device_stream] = (skipped, dropped)
     return gaps
+
+
+def _current(device: Device, record: MirrorGaps) -> bool:
+    incarnation = device.current(record.device_stream)
+    return incarnation is not None and incarnation.id == record.incarnation
+
+
+def _gap_warnings(device_id: str, gaps: GapCounts) -> list[str]:
+    warnings = []
+    if gaps.pending:
+        warnings.append(
+            f"device {device_id}: {gaps.pending} readings the hub's copy skipped wait for "
+            f"its island to answer (for {gaps.pending_age_s:.0f}s); they are refilled when it "
+            f"links"
+        )
+    lost = {reason: n for reason, n in gaps.lost.items() if reason != "evicted"}
+    if lost:
+        said = ", ".join(f"{n} {reason}" for reason, n in lost.items())
+        warnings.append(f"device {device_id}: readings lost before the hub had them: {said}")
+    return warnings
 
 
 async def collect_report(
@@ -473,8 +538,20 @@ async def collect_report(
     for name in event_streams:
         await _heartbeat_forgeries(api, name, forged)
 
+    mirror_gaps = await read_gaps(js)
     reports = []
     for device in devices:
+        records = [
+            mirror_gaps[name]
+            for i in device.incarnations
+            if (name := mirror_name(device.device_id, i)) in mirror_gaps
+        ]
+        device_gaps = GapCounts.of(records, now)
+        current = [r for r in records if _current(device, r)]
+        accounted = {
+            stream: GapCounts.of([r for r in current if r.device_stream == stream], now).accounted()
+            for stream in {r.device_stream for r in current}
+        }
         sources = tuple(
             [
                 _source_state(
@@ -500,12 +577,13 @@ async def collect_report(
         if tally.forged:
             forged.note(Attribution(device.device_id, tally.forged_example), tally.forged)
         counts, last_error = await _command_state(api, js, tally, device.device_id, now)
-        gaps = hub_gaps(sources, heartbeat)
+        gaps = hub_gaps(sources, heartbeat, accounted)
         warnings.extend(
             f"device {device.device_id}: the hub's copy of its {stream} skipped {skipped} "
             f"sequences, the device reports dropping {dropped} (hub-ingest audit names them)"
             for stream, (skipped, dropped) in gaps.items()
         )
+        warnings.extend(_gap_warnings(device.device_id, device_gaps))
         reports.append(
             DeviceReport(
                 device_id=device.device_id,
@@ -522,10 +600,11 @@ async def collect_report(
                 dead_letters=_beat_figure(heartbeat, "outbox", "dead_letters"),
                 commands=counts,
                 last_error=last_error,
-                flags=_flags(last_seen, silent_after, gaps),
+                flags=_flags(last_seen, silent_after, gaps, device_gaps),
                 incarnations=device.incarnations,
                 forged_events=forged.counts[device.device_id],
                 uplinks=_beat_uplinks(heartbeat),
+                gaps=device_gaps,
             )
         )
     warnings.extend(forged.warnings())

@@ -98,6 +98,8 @@ LEGEND = (
     "contact of the device's streams with the hub. PEND, DONE, FAIL: commands waiting, "
     "answered ok, failed. SILENT: not heard from within --silent-after; NEVER SEEN: never "
     "heard from; HUB GAP: the hub's copy of a stream skipped more than the device dropped "
+    "and the refill has not looked yet; GAP PENDING: skipped readings wait for the device's "
+    "island to refill them; LOST: skipped readings the island no longer had "
     "(see the warnings). Flagged devices come first; > lines say what went wrong."
 )
 

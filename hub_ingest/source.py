@@ -309,7 +309,7 @@ async def _read_range(options: SourceOptions, part: SeqRange) -> pa.RecordBatch:
         )
         headers = header_map(pa.array(got.headers, pa.binary()))
         origin = origin_of(headers)
-        device_time = await _device_times(nc, options.api, origin)
+        device_time = pc.coalesce(origin.time, await _device_times(nc, options.api, origin))
         incarnation = await _incarnations(nc, options.api, origin)
         device_id, subject = attribution(
             as_text(pa.array(got.subjects, pa.binary())), origin.subject

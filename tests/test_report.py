@@ -15,9 +15,7 @@ from typing import Any
 from nats.js.api import RawStreamMsg
 
 from edge_agent.protocol.envelope import supersedes
-from edge_agent.protocol.names import hub_consumer
 from edge_agent.protocol.units import parse_time
-from edge_agent.streams import incarnations
 from hub_ingest.commands import command_status
 from hub_ingest.localfleet import stream_messages, write_hub_toml
 from hub_ingest.registry import Registry
@@ -33,7 +31,7 @@ from hub_ingest.report import (
 from hub_ingest.report_cli import render_table
 from tests.support.cluster import Hub
 from tests.support.commands import send_command
-from tests.support.waiting import RESUME_TIMEOUT, eventually
+from tests.support.waiting import eventually
 
 SILENT_AFTER = 5.0  # heartbeats every second; a cut device crosses this within seconds
 
@@ -375,43 +373,6 @@ async def test_report_and_status_agree_with_a_long_history(hub: Hub, tmp_path: P
 
 async def _at_least(hub: Hub, device_id: str, count: int) -> bool:
     return await _results_at_hub(hub, device_id) >= count
-
-
-async def test_a_hub_copy_that_skipped_what_the_device_still_holds_is_flagged(hub: Hub) -> None:
-    """The hub's mirror takes the island's acknowledgement floor as what it already holds
-    when it binds: moved past the hub's copy (here by hand, while the link is cut), the
-    mirror records the readings in between as deleted, a loss the device never reported.
-    The report flags it and says how many, against the drops the device reports (none)."""
-    a = await hub.device("a", heartbeat_interval="1s")
-    for i in range(5):
-        await a.js.publish("tele.temp", str(i).encode())
-    mirror = await eventually(lambda: hub.mirror("a"), timeout=30, what="a's mirror")
-    await eventually(lambda: _last_seq(hub, mirror, 5), timeout=RESUME_TIMEOUT, what="5 at hub")
-    a.proxy.cut()
-    await a.wait_link(up=False)
-    for i in range(5, 10):
-        await a.js.publish("tele.temp", str(i).encode())
-    incarnation = (await incarnations(a.js))["TELEMETRY"]
-    assert incarnation is not None and a.nc is not None
-    reply = await a.nc.request(
-        f"$JS.API.CONSUMER.RESET.TELEMETRY.{hub_consumer(incarnation)}", b'{"seq": 9}', timeout=5
-    )
-    assert "error" not in json.loads(reply.data), reply.data
-    a.proxy.restore()
-    await eventually(lambda: _last_seq(hub, mirror, 10), timeout=RESUME_TIMEOUT, what="10 at hub")
-
-    devices = await (await Registry.open(hub.js)).list()
-    report = await collect_report(hub.nc, hub.config, devices, silent_after=60)
-    (device,) = report.devices
-    assert device.flags == ("hub_gap",)
-    telemetry = next(s for s in device.sources if s.device_stream == "TELEMETRY")
-    assert telemetry.skipped == 3 and device.skipped == 3  # 6, 7 and 8
-    assert report.to_dict()["devices"][0]["skipped"] == 3  # the README's `.skipped`
-    assert report.warnings == (
-        "device a: the hub's copy of its TELEMETRY skipped 3 sequences, the device reports "
-        "dropping 0 (hub-ingest audit names them)",
-    )
-    assert "HUB GAP" in render_table(report)
 
 
 async def _last_seq(hub: Hub, stream: str, seq: int) -> bool:

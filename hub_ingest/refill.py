@@ -1,0 +1,513 @@
+"""Gaps heal themselves: what a hub mirror skipped is read again from the island, once.
+
+nats-server lets a hub mirror skip a range of a device's sequences for good: a mirror that
+binds takes the island consumer's acknowledgement floor as what it holds, so a hub that lost
+a tail to a power cut, or a cluster's new mirror leader below that floor, records the range
+as *deleted* and never asks for it again. The island still holds it, so the hub refills it:
+
+- **detect**: `Refiller.tick` lists every mirror's state (one paged ``STREAM.LIST``); a
+  mirror whose deleted count or range changed, or that has a pending gap and whose device is
+  linked now, is looked at (``STREAM.INFO`` with ``deleted_details``);
+- **refill**: each deleted sequence that is neither refilled nor lost yet is read from the
+  island across the leaf (batched direct gets through ``$JS.<device-domain>.API``, a bounded
+  batch at a time, answered on the device's own reply prefix) and published into
+  ``FLEET_REFILL`` on ``refill.<aggregate>.<mirror>.<seq>.<device>.<subject>`` with
+  ``Nats-Expected-Last-Subject-Sequence: 0``: one subject per ``(mirror, seq)``, which the
+  server accepts once, however many watchers (one per cluster node) or restarts try.
+  Each aggregate sources ``FLEET_REFILL`` with the transform ``refill.<aggregate>.*.*.>`` →
+  ``fleet.>``, so a refilled reading reaches the aggregate as ``fleet.<device>.<subject>``
+  like every other, for the ingest and any other hub consumer;
+- **never twice**: a sequence the mirror lost but the aggregate still holds (a hub power cut
+  takes each stream's unsynced tail separately) is found in the aggregate and not refilled;
+- **count the rest**: a sequence the island no longer holds is lost, with its reason
+  (``evicted``: below the island's first sequence, its budget or age took it;
+  ``reimaged``: the island runs another incarnation; ``deleted_on_device``: inside the
+  island's range but gone). A gap whose island does not answer is *pending*, with the time it
+  was first seen. Per mirror, the figures live in the ``FLEET_GAPS`` bucket, which `report`
+  reads.
+
+A refilled message carries ``Edge-Refill-Of: <mirror> <device seq> <subject> <device store
+time>``; the app's ``Nats-Msg-Id`` travels as ``Edge-Refill-Msg-Id`` (the hub's streams would
+otherwise de-duplicate it against another device's message with the same id).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import secrets
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import nats.errors
+import structlog
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import (
+    DiscardPolicy,
+    KeyValueConfig,
+    StorageType,
+    StreamConfig,
+    StreamSource,
+    SubjectTransform,
+)
+from nats.js.errors import APIError, BucketNotFoundError, KeyNotFoundError
+from nats.js.kv import KeyValue
+
+from edge_agent.protocol.names import INCARNATION, hub_reply_prefix, js_api
+from edge_agent.protocol.units import utc_now_iso
+from hub_ingest.buckets import bucket_keys
+from hub_ingest.config import HubConfig
+from hub_ingest.registry import Device, Incarnation
+
+log = structlog.get_logger(__name__)
+
+REFILL_STREAM = "FLEET_REFILL"
+REFILL_HEADER = "Edge-Refill-Of"  # <mirror> <device seq> <subject> <device store time>
+MSG_ID_HEADER = "Edge-Refill-Msg-Id"
+BUCKET = "FLEET_GAPS"
+BATCH = 256  # messages per direct get from an island: refills never crowd out live traffic
+BATCH_BYTES = 1 << 20
+ASK_TIMEOUT = 5.0
+_WRONG_LAST_SEQUENCE = 10071  # the subject has a message: this sequence was refilled before
+# Reply headers of a direct get; the rest are the message's own.
+_SERVER_HEADERS = frozenset(
+    {
+        "Nats-Stream",
+        "Nats-Subject",
+        "Nats-Sequence",
+        "Nats-Time-Stamp",
+        "Nats-Num-Pending",
+        "Nats-Last-Sequence",
+        "Nats-Msg-Id",
+    }
+)
+LOST_REASONS = ("evicted", "reimaged", "deleted_on_device")
+
+
+def refill_stream(config: HubConfig) -> StreamConfig:
+    """``FLEET_REFILL``: refilled readings, one subject each, kept as long as the aggregates."""
+    return StreamConfig(
+        name=REFILL_STREAM,
+        subjects=["refill.>"],
+        storage=StorageType.FILE,
+        discard=DiscardPolicy.OLD,
+        max_bytes=config.aggregates.max_bytes,
+        max_age=config.aggregates.max_age,
+        allow_direct=True,
+        metadata={"managed-by": "hub-ingest"},
+        num_replicas=config.replicas,
+    )
+
+
+def refill_source(aggregate_stream: str) -> StreamSource:
+    """How an aggregate takes its refilled readings, under the subjects it gives all others."""
+    return StreamSource(
+        name=REFILL_STREAM,
+        subject_transforms=[
+            SubjectTransform(src=f"refill.{aggregate_stream}.*.*.>", dest="fleet.>")
+        ],
+    )
+
+
+def refill_subject(aggregate_stream: str, mirror: str, seq: int, device: str, subject: str) -> str:
+    return f"refill.{aggregate_stream}.{mirror}.{seq}.{device}.{subject}"
+
+
+Ranges = list[tuple[int, int]]
+
+
+def to_ranges(seqs: Iterable[int]) -> Ranges:
+    """Sorted sequences as inclusive ranges: [1, 2, 3, 7] → [(1, 3), (7, 7)]."""
+    out: Ranges = []
+    for seq in sorted(set(seqs)):
+        if out and seq == out[-1][1] + 1:
+            out[-1] = (out[-1][0], seq)
+        else:
+            out.append((seq, seq))
+    return out
+
+
+def expand(ranges: Iterable[tuple[int, int]]) -> set[int]:
+    return {seq for first, last in ranges for seq in range(first, last + 1)}
+
+
+@dataclass(frozen=True, slots=True)
+class MirrorGaps:
+    """What one hub mirror skipped, and what became of it (a value of ``FLEET_GAPS``)."""
+
+    mirror: str
+    device_id: str
+    incarnation: str
+    device_stream: str
+    refilled: int = 0  # readings read again from the island into FLEET_REFILL
+    in_aggregate: int = 0  # skipped by the mirror, but the aggregate kept them
+    lost: dict[str, Ranges] = field(default_factory=dict)  # reason → ranges
+    pending: Ranges = field(default_factory=list)  # the island has not answered yet
+    pending_since: str | None = None  # hub time the oldest pending gap was first seen
+    checked_at: str = ""
+
+    def lost_counts(self) -> dict[str, int]:
+        return {reason: len(expand(r)) for reason, r in self.lost.items()}
+
+    @property
+    def pending_count(self) -> int:
+        return len(expand(self.pending))
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self)).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> MirrorGaps:
+        raw = json.loads(data)
+        raw["lost"] = {k: [tuple(r) for r in v] for k, v in raw.get("lost", {}).items()}
+        raw["pending"] = [tuple(r) for r in raw.get("pending", [])]
+        return cls(**raw)
+
+
+async def open_bucket(js: JetStreamContext, replicas: int = 1) -> KeyValue:
+    try:
+        return await js.key_value(BUCKET)
+    except BucketNotFoundError:
+        return await js.create_key_value(
+            KeyValueConfig(bucket=BUCKET, history=1, storage=StorageType.FILE, replicas=replicas)
+        )
+
+
+async def read_gaps(js: JetStreamContext) -> dict[str, MirrorGaps]:
+    """Every mirror's record, by mirror name ({} before the first gap)."""
+    try:
+        kv = await js.key_value(BUCKET)
+    except BucketNotFoundError:
+        return {}
+    found = {}
+    for key in await bucket_keys(js, BUCKET):
+        with contextlib.suppress(KeyNotFoundError):
+            entry = await kv.get(key)
+            if entry.value:
+                found[key] = MirrorGaps.from_json(entry.value)
+    return found
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """A hub mirror and what it copies."""
+
+    mirror: str
+    device: Device
+    incarnation: Incarnation
+    aggregate: str  # the aggregate stream that sources it
+
+
+@dataclass
+class Refiller:
+    """Finds what hub mirrors skipped and refills it from the islands; `watch` runs it."""
+
+    js: JetStreamContext
+    nc: Client
+    config: HubConfig
+    interval: float = 2.0
+    # mirror → (first, last, deleted) when last looked at: an unchanged mirror is not asked
+    seen: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    pending: set[str] = field(default_factory=set)  # mirrors whose island has not answered
+    _kv: KeyValue | None = None
+    _next: float = 0.0
+
+    @property
+    def api(self) -> str:
+        return js_api(self.config.nats.domain)
+
+    async def tick(self, mirrors: Mapping[str, Target], linked: set[str]) -> None:
+        """Look at every mirror whose skipped range changed, and at those with a gap pending
+        whose device is linked (`linked`: device ids); at most every `interval` seconds."""
+        if time.monotonic() < self._next:
+            return
+        self._next = time.monotonic() + self.interval
+        if self._kv is None:
+            self._kv = await open_bucket(self.js, self.config.replicas)
+        for name, state in (await _mirror_states(self.js, mirrors)).items():
+            target = mirrors[name]
+            online = target.device.device_id in linked
+            if self.seen.get(name) == state and not (name in self.pending and online):
+                continue
+            gaps = await self.heal(target, linked=online)
+            self.seen[name] = state
+            if gaps.pending:
+                self.pending.add(name)
+            else:
+                self.pending.discard(name)
+
+    async def heal(self, target: Target, *, linked: bool = True) -> MirrorGaps:
+        """Refill what `target`'s mirror skipped; record and return what became of it."""
+        assert self._kv is not None
+        before = await self._record(target)
+        deleted = await _deleted(self.nc, self.api, target.mirror)
+        done = await _refilled(self.js, target.mirror)
+        lost = {reason: expand(r) for reason, r in before.lost.items()}
+        held = set().union(*lost.values()) if lost else set()
+        todo = sorted(deleted - done - held)
+        in_aggregate = before.in_aggregate
+        pending: list[int] = []
+        if todo:
+            in_agg = await _in_aggregate(self.js, self.nc, self.api, target, todo)
+            in_aggregate += len(in_agg)
+            todo = [s for s in todo if s not in in_agg]
+        if todo:
+            island = await self._island_state(target) if linked else None
+            if island is None:
+                pending = todo
+            else:
+                refilled, gone = await self._refill(target, todo, island)
+                done |= refilled
+                for reason, seqs in gone.items():
+                    lost.setdefault(reason, set()).update(seqs)
+        gaps = MirrorGaps(
+            mirror=target.mirror,
+            device_id=target.device.device_id,
+            incarnation=target.incarnation.id,
+            device_stream=target.incarnation.stream,
+            refilled=len(done),
+            in_aggregate=in_aggregate,
+            lost={reason: to_ranges(seqs) for reason, seqs in sorted(lost.items()) if seqs},
+            pending=to_ranges(pending),
+            pending_since=(before.pending_since or utc_now_iso()) if pending else None,
+            checked_at=utc_now_iso(),
+        )
+        if gaps != before:
+            await self._kv.put(target.mirror, gaps.to_json())
+            log.info(
+                "mirror_gap_checked",
+                mirror=target.mirror,
+                device_id=target.device.device_id,
+                refilled=gaps.refilled,
+                in_aggregate=gaps.in_aggregate,
+                lost=gaps.lost_counts(),
+                pending=gaps.pending_count,
+            )
+        return gaps
+
+    async def _record(self, target: Target) -> MirrorGaps:
+        assert self._kv is not None
+        try:
+            entry = await self._kv.get(target.mirror)
+        except KeyNotFoundError:
+            entry = None
+        if entry is not None and entry.value:
+            return MirrorGaps.from_json(entry.value)
+        return MirrorGaps(
+            target.mirror, target.device.device_id, target.incarnation.id, target.incarnation.stream
+        )
+
+    async def _island_state(self, target: Target) -> dict[str, Any] | None:
+        """The island stream's info, None when the island does not answer."""
+        subject = f"{target.device.api_prefix}.STREAM.INFO.{target.incarnation.stream}"
+        try:
+            [reply] = await _ask(self.nc, target.device, subject, {}, timeout=ASK_TIMEOUT)
+        except (nats.errors.Error, TimeoutError, ValueError) as exc:
+            log.debug("island_unreachable", mirror=target.mirror, error=repr(exc))
+            return None
+        info: dict[str, Any] = json.loads(reply.data)
+        return info if "error" not in info else None
+
+    async def _refill(
+        self, target: Target, todo: list[int], island: Mapping[str, Any]
+    ) -> tuple[set[int], dict[str, set[int]]]:
+        """Read `todo` from the island and publish it into FLEET_REFILL; (refilled, lost)."""
+        metadata = (island.get("config") or {}).get("metadata") or {}
+        if metadata.get(INCARNATION) != target.incarnation.id:
+            return set(), {"reimaged": set(todo)}
+        first = int((island.get("state") or {}).get("first_seq", 0))
+        lost: dict[str, set[int]] = {"evicted": {s for s in todo if s < first}}
+        wanted = [s for s in todo if s >= first]
+        refilled: set[int] = set()
+        for lo, hi in to_ranges(wanted):
+            seq = lo
+            while seq <= hi:
+                msgs = await _ask(
+                    self.nc,
+                    target.device,
+                    f"{target.device.api_prefix}.DIRECT.GET.{target.incarnation.stream}",
+                    {"seq": seq, "batch": min(BATCH, hi - seq + 1), "max_bytes": BATCH_BYTES},
+                    timeout=ASK_TIMEOUT,
+                    many=True,
+                )
+                got = [m for m in msgs if int((m.headers or {}).get("Nats-Sequence", 0)) <= hi]
+                for msg in got:
+                    refilled.add(await self._publish(target, msg))
+                if not got:
+                    break
+                seq = int((got[-1].headers or {})["Nats-Sequence"]) + 1
+        lost["deleted_on_device"] = set(wanted) - refilled
+        return refilled, lost
+
+    async def _publish(self, target: Target, msg: Msg) -> int:
+        headers = dict(msg.headers or {})
+        seq = int(headers["Nats-Sequence"])
+        subject = headers["Nats-Subject"]
+        stored = {k: v for k, v in headers.items() if k not in _SERVER_HEADERS}
+        if "Nats-Msg-Id" in headers:
+            stored[MSG_ID_HEADER] = headers["Nats-Msg-Id"]
+        stored[REFILL_HEADER] = f"{target.mirror} {seq} {subject} {headers['Nats-Time-Stamp']}"
+        stored["Nats-Expected-Last-Subject-Sequence"] = "0"
+        to = refill_subject(target.aggregate, target.mirror, seq, target.device.device_id, subject)
+        try:
+            await self.js.publish(to, msg.data, headers=stored)
+        except APIError as exc:
+            if exc.err_code != _WRONG_LAST_SEQUENCE:
+                raise
+        return seq
+
+
+async def _ask(
+    nc: Client,
+    device: Device,
+    subject: str,
+    body: Mapping[str, Any],
+    *,
+    timeout: float,
+    many: bool = False,
+) -> list[Msg]:
+    """A request to a device's island, answered on its own reply prefix; with `many`, every
+    message up to the batch's end-of-batch status."""
+    inbox = f"{hub_reply_prefix(device.device_id)}.{secrets.token_hex(8)}"
+    sub = await nc.subscribe(inbox)
+    got: list[Msg] = []
+    try:
+        await nc.publish(subject, json.dumps(body).encode(), reply=inbox)
+        while True:
+            msg = await sub.next_msg(timeout=timeout)
+            status = (msg.headers or {}).get("Status")
+            if status is not None:
+                if status in ("404", "408", "204"):
+                    return got  # no (more) messages; end of batch
+                raise ValueError(f"{subject}: status {status}")
+            got.append(msg)
+            if not many:
+                return got
+    finally:
+        with contextlib.suppress(nats.errors.Error):
+            await sub.unsubscribe()
+
+
+async def _mirror_states(
+    js: JetStreamContext, targets: Mapping[str, Target]
+) -> dict[str, tuple[int, int, int]]:
+    """(first, last, deleted) of each target mirror that has skipped anything."""
+    states: dict[str, tuple[int, int, int]] = {}
+    offset = 0
+    while page := await js.streams_info(offset=offset):
+        offset += len(page)
+        for info in page:
+            name = info.config.name or ""
+            deleted = info.state.num_deleted or 0
+            if name in targets and deleted:
+                states[name] = (info.state.first_seq, info.state.last_seq, deleted)
+    return states
+
+
+async def _deleted(nc: Client, api: str, mirror: str) -> set[int]:
+    """The sequences inside the mirror's range that it does not hold."""
+    reply = await nc.request(
+        f"{api}.STREAM.INFO.{mirror}", json.dumps({"deleted_details": True}).encode(), timeout=10
+    )
+    state = json.loads(reply.data).get("state") or {}
+    first = int(state.get("first_seq", 0))
+    return {int(s) for s in state.get("deleted") or [] if int(s) >= first}
+
+
+async def _refilled(js: JetStreamContext, mirror: str) -> set[int]:
+    """The sequences of `mirror` that FLEET_REFILL holds."""
+    try:
+        info = await js.stream_info(REFILL_STREAM, subjects_filter=f"refill.*.{mirror}.*.>")
+    except nats.js.errors.NotFoundError:
+        return set()
+    return {int(subject.split(".")[3]) for subject in info.state.subjects or {}}
+
+
+async def _in_aggregate(
+    js: JetStreamContext, nc: Client, api: str, target: Target, todo: list[int]
+) -> set[int]:
+    """Which of `todo` the aggregate holds already, sourced from the mirror before it lost
+    them. The device's rows in the aggregate are in device order, so a binary search on the
+    aggregate's sequences finds where `todo` would be, and a short read forward says."""
+    filter_subject = f"fleet.{target.device.device_id}.>"
+    lo_seq, hi_seq = todo[0], todo[-1]
+
+    async def device_seq_at(agg_seq: int) -> tuple[int, int] | None:
+        """(aggregate seq, device seq) of the mirror's first row at or after `agg_seq`."""
+        for msg in await _direct(
+            nc, api, target.aggregate, agg_seq, subject=filter_subject, batch=64
+        ):
+            origin = _source(msg)
+            if origin is not None and origin[0] == target.mirror:
+                return msg.seq, origin[1]
+        return None
+
+    info = await js.stream_info(target.aggregate)
+    low, high = info.state.first_seq, info.state.last_seq + 1
+    while low < high:  # the first aggregate seq whose mirror row has device seq >= lo_seq
+        mid = (low + high) // 2
+        found = await device_seq_at(mid)
+        if found is None or found[1] >= lo_seq:
+            high = mid
+        else:
+            low = found[0] + 1
+    held: set[int] = set()
+    want = set(todo)
+    seq = low
+    while seq <= info.state.last_seq:
+        msgs = await _direct(nc, api, target.aggregate, seq, subject=filter_subject, batch=BATCH)
+        if not msgs:
+            break
+        for msg in msgs:
+            origin = _source(msg)
+            if origin is not None and origin[0] == target.mirror:
+                if origin[1] > hi_seq:
+                    return held
+                if origin[1] in want:
+                    held.add(origin[1])
+        seq = msgs[-1].seq + 1
+    return held
+
+
+@dataclass(frozen=True, slots=True)
+class _Stored:
+    seq: int
+    headers: dict[str, str]
+
+
+async def _direct(
+    nc: Client, api: str, stream: str, seq: int, *, subject: str, batch: int
+) -> list[_Stored]:
+    """Up to `batch` messages on `subject` from `seq` on (only their headers are used)."""
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox)
+    got: list[_Stored] = []
+    try:
+        request = {"seq": seq, "next_by_subj": subject, "batch": batch}
+        await nc.publish(
+            f"{api}.DIRECT.GET.{stream}",
+            json.dumps(request).encode(),
+            reply=inbox,
+        )
+        while True:
+            msg = await sub.next_msg(timeout=10)
+            headers = dict(msg.headers or {})
+            if "Status" in headers:
+                return got
+            got.append(_Stored(int(headers["Nats-Sequence"]), headers))
+    finally:
+        with contextlib.suppress(nats.errors.Error):
+            await sub.unsubscribe()
+
+
+def _source(msg: _Stored) -> tuple[str, int] | None:
+    """(mirror, device seq) a row of the aggregate came from; refilled rows say so."""
+    raw = msg.headers.get(REFILL_HEADER) or msg.headers.get("Nats-Stream-Source")
+    if not raw:
+        return None
+    fields = raw.split()
+    return fields[0].split(":", 1)[0], int(fields[1])

@@ -1,0 +1,195 @@
+"""Gaps heal themselves: what a hub mirror skipped is refilled from the island, once, and what
+the island no longer holds is counted lost with its reason (`hub_ingest.refill`)."""
+
+from __future__ import annotations
+
+import json
+
+from pyspark.sql import SparkSession
+
+from edge_agent.protocol.names import hub_consumer
+from edge_agent.streams import incarnations
+from hub_ingest.refill import REFILL_HEADER, MirrorGaps, read_gaps
+from hub_ingest.registry import Registry
+from hub_ingest.report import SourceState, collect_report, hub_gaps
+from tests.support.cluster import Device, Hub
+from tests.support.ingest import ingest_config, run_once, telemetry
+from tests.support.scan import scan
+from tests.support.waiting import RESUME_TIMEOUT, eventually
+
+
+async def _skip(hub: Hub, a: Device, *, floor: int = 9, before_restore: bool = False) -> str:
+    """Readings 0..9 (device seqs 1..10); the hub's mirror made to skip 6..`floor - 1` the way
+    nats-server does when it binds: the island consumer's floor moved past the hub's copy
+    while the link was cut. With `before_restore` the link stays cut; the mirror's name."""
+    for i in range(5):
+        await a.js.publish("tele.temp", str(i).encode())
+    mirror = await eventually(lambda: hub.mirror("a"), timeout=30, what="a's mirror")
+    await eventually(lambda: _last_seq(hub, mirror, 5), timeout=RESUME_TIMEOUT, what="5 at hub")
+    a.proxy.cut()
+    await a.wait_link(up=False)
+    for i in range(5, 10):
+        await a.js.publish("tele.temp", str(i).encode())
+    incarnation = (await incarnations(a.js))["TELEMETRY"]
+    assert incarnation is not None and a.nc is not None
+    reply = await a.nc.request(
+        f"$JS.API.CONSUMER.RESET.TELEMETRY.{hub_consumer(incarnation)}",
+        json.dumps({"seq": floor}).encode(),
+        timeout=5,
+    )
+    assert "error" not in json.loads(reply.data), reply.data
+    if not before_restore:
+        a.proxy.restore()
+        await eventually(lambda: _last_seq(hub, mirror, 10), timeout=RESUME_TIMEOUT, what="10")
+    return mirror
+
+
+async def _last_seq(hub: Hub, stream: str, seq: int) -> bool:
+    return (await hub.js.stream_info(stream)).state.last_seq >= seq
+
+
+async def _aggregate_rows(hub: Hub) -> list[tuple[int, bytes, bool]]:
+    """(device seq, payload, refilled) of device a's rows in FLEET_TELEMETRY, in order."""
+    rows = []
+    for msg in await scan(hub.js, "FLEET_TELEMETRY", "fleet.a.tele.>"):
+        headers = msg.headers or {}
+        origin = headers.get(REFILL_HEADER) or headers["Nats-Stream-Source"]
+        rows.append((int(origin.split()[1]), msg.data, REFILL_HEADER in headers))
+    return rows
+
+
+async def _record(hub: Hub, mirror: str) -> MirrorGaps | None:
+    return (await read_gaps(hub.js)).get(mirror)
+
+
+async def test_a_mirror_skip_is_refilled_from_the_island_once(
+    hub: Hub, spark: SparkSession
+) -> None:
+    """The hub's mirror skips 6..8 for good; within seconds the watcher reads them from the
+    island into FLEET_REFILL, the aggregate gets each once (as ``fleet.a.tele.temp``), the
+    archive has every reading once with its device time, and the report says refilled."""
+    a = await hub.device("a", heartbeat_interval="1s")
+    mirror = await _skip(hub, a)
+
+    async def healed() -> bool:
+        return len(await _aggregate_rows(hub)) >= 10
+
+    await eventually(healed, timeout=30, what="the aggregate refilled")
+    rows = await _aggregate_rows(hub)
+    assert sorted((seq, data) for seq, data, _ in rows) == [
+        (n + 1, str(n).encode()) for n in range(10)
+    ]
+    assert sorted(seq for seq, _, refilled in rows if refilled) == [6, 7, 8]
+    record = await _record(hub, mirror)
+    assert record is not None
+    assert (record.refilled, record.lost, record.pending) == (3, {}, [])
+    info = await hub.js.stream_info(mirror)
+    assert info.state.messages == 7  # the mirror itself never gets them back
+
+    devices = await (await Registry.open(hub.js)).list()
+    report = await collect_report(hub.nc, hub.config, devices, silent_after=60)
+    (device,) = report.devices
+    assert device.skipped == 3 and device.gaps.refilled == 3
+    assert device.flags == () and report.warnings == ()
+    assert report.to_dict()["devices"][0]["gaps"]["refilled"] == 3
+
+    config = ingest_config(hub)
+    await run_once(spark, config)
+    archived = telemetry(config).to_pylist()
+    assert [r["device_seq"] for r in archived] == list(range(1, 11))
+    assert [r["payload"] for r in archived] == [str(n).encode() for n in range(10)]
+    assert all(r["device_time"] is not None and r["incarnation"] for r in archived)
+    assert [REFILL_HEADER in dict(r["headers"]) for r in archived] == [False] * 5 + [True] * 3 + [
+        False
+    ] * 2
+
+
+async def test_what_the_island_no_longer_holds_is_lost_with_its_reason(hub: Hub) -> None:
+    """Of the skipped 6..8, the island's budget took 6 and 7 (purged below 8) before the link
+    came back: those are lost as ``evicted``, 8 is refilled; evictions are the budget's
+    drops, so the device is not flagged."""
+    a = await hub.device("a", heartbeat_interval="1s")
+    mirror = await _skip(hub, a, before_restore=True)
+    assert a.nc is not None
+    reply = await a.nc.request("$JS.API.STREAM.PURGE.TELEMETRY", b'{"seq": 8}', timeout=5)
+    assert json.loads(reply.data).get("success"), reply.data
+    a.proxy.restore()
+
+    async def settled() -> MirrorGaps | None:
+        record = await _record(hub, mirror)
+        return record if record and record.refilled == 1 else None
+
+    record = await eventually(settled, timeout=RESUME_TIMEOUT, what="the refill")
+    assert record.lost == {"evicted": [(6, 7)]} and record.pending == []
+    assert sorted(seq for seq, _, _ in await _aggregate_rows(hub)) == [1, 2, 3, 4, 5, 8, 9, 10]
+    devices = await (await Registry.open(hub.js)).list()
+    report = await collect_report(hub.nc, hub.config, devices, silent_after=60)
+    (device,) = report.devices
+    assert dict(device.gaps.lost) == {"evicted": 2} and "lost" not in device.flags
+
+
+async def test_what_the_mirror_lost_but_the_aggregate_kept_is_not_refilled(hub: Hub) -> None:
+    """A hub power cut takes each stream's unsynced tail on its own: here the mirror loses
+    sequence 3 (deleted by hand) while the aggregate had already sourced it. The refill finds
+    it in the aggregate and leaves it: it is there once."""
+    a = await hub.device("a", heartbeat_interval="1s")
+    for i in range(5):
+        await a.js.publish("tele.temp", str(i).encode())
+    mirror = await eventually(lambda: hub.mirror("a"), timeout=30, what="a's mirror")
+
+    async def sourced() -> bool:
+        return len(await _aggregate_rows(hub)) >= 5
+
+    await eventually(sourced, timeout=RESUME_TIMEOUT, what="5 in the aggregate")
+    await hub.js.delete_msg(mirror, 3)
+
+    async def checked() -> MirrorGaps | None:
+        record = await _record(hub, mirror)
+        return record if record and record.in_aggregate else None
+
+    record = await eventually(checked, timeout=30, what="the gap checked")
+    assert (record.refilled, record.in_aggregate, record.lost) == (0, 1, {})
+    assert [seq for seq, _, _ in await _aggregate_rows(hub)] == [1, 2, 3, 4, 5]
+
+
+async def test_a_gap_waits_for_the_island_and_is_refilled_when_it_links(hub: Hub) -> None:
+    """The mirror skipped while the watcher was down, and the link is cut again before it
+    came back: the gap is pending, with its age, in the record and the report; once the link
+    returns it is refilled."""
+    a = await hub.device("a", heartbeat_interval="1s")
+    await eventually(lambda: hub.mirror("a"), timeout=30, what="a's mirror")
+    await hub.stop_watching()
+    mirror = await _skip(hub, a)
+    a.proxy.cut()
+    await a.wait_link(up=False)
+    hub.start_watch()
+
+    async def pending() -> MirrorGaps | None:
+        record = await _record(hub, mirror)
+        return record if record and record.pending else None
+
+    record = await eventually(pending, timeout=30, what="the gap pending")
+    assert record.pending == [(6, 8)] and record.pending_since
+    devices = await (await Registry.open(hub.js)).list()
+    report = await collect_report(hub.nc, hub.config, devices, silent_after=60)
+    (device,) = report.devices
+    assert device.gaps.pending == 3 and device.gaps.pending_age_s is not None
+    assert "gap_pending" in device.flags and "hub_gap" not in device.flags
+
+    a.proxy.restore()
+
+    async def refilled() -> MirrorGaps | None:
+        record = await _record(hub, mirror)
+        return record if record and record.refilled == 3 and not record.pending else None
+
+    await eventually(refilled, timeout=RESUME_TIMEOUT, what="the gap refilled")
+    assert sorted(seq for seq, _, _ in await _aggregate_rows(hub)) == list(range(1, 11))
+
+
+def test_skips_the_refill_has_looked_at_are_not_flagged() -> None:
+    """A hub gap is flagged only for skips beyond the device's drops and what the refill has
+    accounted for (refilled, kept by the aggregate, lost, pending)."""
+    sources = [SourceState("FLEET_TELEMETRY", "TELEMETRY", True, 0, 0.0, None, 5)]
+    assert hub_gaps(sources, None) == {"TELEMETRY": (5, 0)}
+    assert hub_gaps(sources, None, {"TELEMETRY": 5}) == {}
+    assert hub_gaps(sources, None, {"TELEMETRY": 4}) == {"TELEMETRY": (1, 0)}
