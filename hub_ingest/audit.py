@@ -5,8 +5,10 @@ From the archive alone, per device, incarnation and aggregate stream: rows, firs
 sequence 1, so completeness is per incarnation), and every incarnation change. A missing
 range is *explained* when the device itself reported, in a heartbeat that reached the
 archive, that its stream's budget or max age removed those sequences
-(``streams.<name>.first_seq`` past the range, with ``dropped`` > 0). Against the hub: how
-many messages of each aggregate stream are not archived yet (in flight, not an error).
+(``streams.<name>.first_seq`` past the range, with ``dropped`` > 0), or when the hub's
+refill counted them lost, with a reason (`hub_ingest.refill`). Against the hub: how many
+messages of each aggregate stream are not archived yet (in flight, not an error), and how
+many of the readings the hub refilled are archived (each once: a duplicate is counted).
 
 The archive is read through its table's current snapshot (`hub_ingest.table`): files of a
 batch killed half way are in no snapshot, and no reader counts them.
@@ -17,6 +19,7 @@ from __future__ import annotations
 import itertools
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -27,6 +30,7 @@ from hub_ingest import table
 from hub_ingest.commands import attribute
 from hub_ingest.config import IngestConfig
 from hub_ingest.provision import AGGREGATES
+from hub_ingest.refill import Healed, Ranges, expand
 
 _HEARTBEAT = re.compile(r"^evt\.[^.]+\.heartbeat$")
 _KEY_COLUMNS = ["device_id", "incarnation", "hub_stream", "device_seq", "hub_seq"]
@@ -36,7 +40,8 @@ _KEY_COLUMNS = ["device_id", "incarnation", "hub_stream", "device_seq", "hub_seq
 class Gap:
     first: int
     last: int
-    explained: bool  # the device reported dropping these before they could be sourced
+    explained: bool  # the device reported dropping these, or the hub counted them lost
+    reason: str | None = None  # "dropped" (the device's report), or the refill's reason
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +54,8 @@ class DeviceAudit:
     last_seq: int
     duplicates: int  # rows beyond the first for the same device_seq
     missing: tuple[Gap, ...]
+    refilled: int = 0  # readings the hub refilled from the island (what the hub says)
+    refilled_archived: int = 0  # of those, in the archive (the rest are in flight)
 
     @property
     def ok(self) -> bool:
@@ -94,7 +101,10 @@ class AuditReport:
         }
 
 
-def audit_archive(config: IngestConfig) -> AuditReport:
+def audit_archive(
+    config: IngestConfig, refills: Mapping[tuple[str, str, str], Healed] | None = None
+) -> AuditReport:
+    """The archive alone; with `refills` (`hub_ingest.refill.healed`), the hub's refill too."""
     rows = table.read(config, _KEY_COLUMNS, "device_seq IS NOT NULL")
     if rows is None or rows.num_rows == 0:
         return AuditReport(())
@@ -111,6 +121,8 @@ def audit_archive(config: IngestConfig) -> AuditReport:
         ranges += [(int(unique[j]) + 1, int(unique[j + 1]) - 1) for j in steps]
         stream = _device_stream(hub_stream)
         below = dropped.get((device_id, stream, incarnation), 0)
+        refill = (refills or {}).get((device_id, incarnation, stream))
+        lost = refill.lost if refill else {}
         devices.append(
             DeviceAudit(
                 device_id=device_id,
@@ -120,7 +132,9 @@ def audit_archive(config: IngestConfig) -> AuditReport:
                 first_seq=int(unique[0]),
                 last_seq=int(unique[-1]),
                 duplicates=len(seqs) - len(unique),
-                missing=tuple(Gap(a, b, b < below) for a, b in ranges),
+                missing=tuple(missing_range(a, b, below, lost) for a, b in ranges),
+                refilled=len(refill.refilled) if refill else 0,
+                refilled_archived=len(refill.refilled & set(unique.tolist())) if refill else 0,
             )
         )
     first_seen = {tuple(g[k] for k in keys): g["hub_seq_min"] for g in groups.to_pylist()}
@@ -132,6 +146,16 @@ def audit_archive(config: IngestConfig) -> AuditReport:
         )
     )
     return AuditReport(tuple(devices), incarnation_changes=_changes(devices, first_seen))
+
+
+def missing_range(first: int, last: int, below: int, lost: Mapping[str, Ranges]) -> Gap:
+    """A missing range, explained by the device's own drops or by the refill's losses."""
+    if last < below:
+        return Gap(first, last, True, "dropped")
+    for reason, ranges in lost.items():
+        if set(range(first, last + 1)) <= expand(ranges):
+            return Gap(first, last, True, reason)
+    return Gap(first, last, False)
 
 
 def _changes(

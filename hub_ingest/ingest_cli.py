@@ -16,6 +16,7 @@ from hub_ingest.audit import AuditReport, audit_archive, backlog
 from hub_ingest.config import HubConfig
 from hub_ingest.connect import hub_connection
 from hub_ingest.provision import aggregate_stream_names
+from hub_ingest.refill import healed
 from hub_ingest.table import location as table_location
 
 
@@ -89,9 +90,9 @@ def _relocate(config: HubConfig, args: argparse.Namespace) -> int:
 
 
 async def _audit(config: HubConfig, args: argparse.Namespace) -> int:
-    report = audit_archive(config.ingest)
     async with hub_connection(config, name="hub-ingest-audit") as nc:
         js = nc.jetstream(domain=config.nats.domain)
+        report = audit_archive(config.ingest, await healed(js))
         streams = await backlog(js, config.ingest, await aggregate_stream_names(js))
     report = AuditReport(report.devices, tuple(streams), report.incarnation_changes)
     if args.json:
@@ -106,12 +107,18 @@ def _print(report: AuditReport) -> None:
     print("{:<16} {:<12} {:<16} {:>9} {:>9} {:>9} {:>5}  missing".format(*head))
     for d in report.devices:
         gaps = ", ".join(
-            f"{g.first}..{g.last}{'' if g.explained else ' (unexplained)'}" for g in d.missing
+            f"{g.first}..{g.last} ({g.reason if g.explained else 'unexplained'})" for g in d.missing
         )
         print(
             f"{d.device_id:<16} {d.incarnation or '-':<12} {d.hub_stream:<16} {d.rows:>9}"
             f" {d.first_seq:>9} {d.last_seq:>9} {d.duplicates:>5}  {gaps or '-'}"
         )
+    for d in report.devices:
+        if d.refilled:
+            print(
+                f"{d.device_id} {d.incarnation or '-'} {d.hub_stream}: {d.refilled} readings "
+                f"refilled from the island, {d.refilled_archived} of them archived"
+            )
     for c in report.incarnation_changes:
         print(
             f"{c.device_id}: new incarnation {c.incarnation} after {c.previous} in {c.hub_stream}"

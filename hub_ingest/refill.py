@@ -193,6 +193,23 @@ async def read_gaps(js: JetStreamContext) -> dict[str, MirrorGaps]:
 
 
 @dataclass(frozen=True, slots=True)
+class Healed:
+    """What the hub refilled and counted lost of one incarnation of a device stream."""
+
+    refilled: frozenset[int]
+    lost: Mapping[str, Ranges]  # reason → ranges
+
+
+async def healed(js: JetStreamContext) -> dict[tuple[str, str, str], Healed]:
+    """(device, incarnation, device stream) → what the refill did, for `audit`."""
+    found = {}
+    for name, record in (await read_gaps(js)).items():
+        key = (record.device_id, record.incarnation, record.device_stream)
+        found[key] = Healed(frozenset(await _refilled(js, name)), record.lost)
+    return found
+
+
+@dataclass(frozen=True, slots=True)
 class Target:
     """A hub mirror and what it copies."""
 

@@ -93,7 +93,7 @@ def test_audit_catches_a_planted_duplicate_and_a_planted_gap(tmp_path: Path) -> 
     assert (a.rows, a.first_seq, a.last_seq, a.duplicates) == (9, 1, 10, 1)
     assert a.missing == (Gap(6, 7, explained=False),)
     b = by_key["b", "FLEET_TELEMETRY"]
-    assert (b.duplicates, b.missing) == (0, (Gap(5, 8, explained=True),))
+    assert (b.duplicates, b.missing) == (0, (Gap(5, 8, explained=True, reason="dropped"),))
     assert b.ok and not a.ok and not report.ok
 
 

@@ -9,7 +9,8 @@ from pyspark.sql import SparkSession
 
 from edge_agent.protocol.names import hub_consumer
 from edge_agent.streams import incarnations
-from hub_ingest.refill import REFILL_HEADER, MirrorGaps, read_gaps
+from hub_ingest.audit import Gap, audit_archive, missing_range
+from hub_ingest.refill import REFILL_HEADER, MirrorGaps, healed, read_gaps
 from hub_ingest.registry import Registry
 from hub_ingest.report import SourceState, collect_report, hub_gaps
 from tests.support.cluster import Device, Hub
@@ -71,10 +72,10 @@ async def test_a_mirror_skip_is_refilled_from_the_island_once(
     a = await hub.device("a", heartbeat_interval="1s")
     mirror = await _skip(hub, a)
 
-    async def healed() -> bool:
+    async def all_ten() -> bool:
         return len(await _aggregate_rows(hub)) >= 10
 
-    await eventually(healed, timeout=30, what="the aggregate refilled")
+    await eventually(all_ten, timeout=30, what="the aggregate refilled")
     rows = await _aggregate_rows(hub)
     assert sorted((seq, data) for seq, data, _ in rows) == [
         (n + 1, str(n).encode()) for n in range(10)
@@ -99,6 +100,9 @@ async def test_a_mirror_skip_is_refilled_from_the_island_once(
     assert [r["device_seq"] for r in archived] == list(range(1, 11))
     assert [r["payload"] for r in archived] == [str(n).encode() for n in range(10)]
     assert all(r["device_time"] is not None and r["incarnation"] for r in archived)
+    audit = audit_archive(config.ingest, await healed(hub.js))
+    (tele,) = [d for d in audit.devices if d.hub_stream == "FLEET_TELEMETRY"]
+    assert (tele.refilled, tele.refilled_archived, tele.duplicates) == (3, 3, 0) and audit.ok
     assert [REFILL_HEADER in dict(r["headers"]) for r in archived] == [False] * 5 + [True] * 3 + [
         False
     ] * 2
@@ -193,3 +197,11 @@ def test_skips_the_refill_has_looked_at_are_not_flagged() -> None:
     assert hub_gaps(sources, None) == {"TELEMETRY": (5, 0)}
     assert hub_gaps(sources, None, {"TELEMETRY": 5}) == {}
     assert hub_gaps(sources, None, {"TELEMETRY": 4}) == {"TELEMETRY": (1, 0)}
+
+
+def test_a_missing_range_the_refill_counted_lost_is_explained_with_its_reason() -> None:
+    lost = {"evicted": [(6, 7)], "reimaged": [(20, 30)]}
+    assert missing_range(6, 7, 0, lost) == Gap(6, 7, True, "evicted")
+    assert missing_range(21, 22, 0, lost) == Gap(21, 22, True, "reimaged")
+    assert missing_range(6, 8, 0, lost) == Gap(6, 8, False)
+    assert missing_range(6, 8, 9, lost) == Gap(6, 8, True, "dropped")

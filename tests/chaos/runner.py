@@ -29,6 +29,7 @@ from nats.js.errors import APIError
 from edge_agent.health import collect_status
 from edge_agent.island import pid_file
 from hub_ingest.commands import Envelope, new_envelope, send
+from hub_ingest.refill import REFILL_HEADER
 from hub_ingest.registry import Registry
 from hub_ingest.report import HubApi, collect_report
 from tests.chaos.schedule import Action, draw_schedule
@@ -129,6 +130,7 @@ class Outcome:
     archive_losses: int = 0
     archive_duplicates: int = 0
     reports: int = 0  # fleet reports that listed every device, taken while a hub node was down
+    refilled: int = 0  # readings the hub's mirrors skipped, refilled from the islands
 
     def assert_exact(self) -> None:
         """The chaos suite's promise: the hub has every reading the app had a PubAck for, once
@@ -147,7 +149,7 @@ class Outcome:
             f"out_of_order={self.out_of_order} commands sent={self.commands_sent} "
             f"expected_runs={self.expected_runs} ran={self.runs} ran_twice={self.double_runs} "
             f"results={self.results} missing_results={self.missing_results} "
-            f"reports_with_a_node_down={self.reports} "
+            f"reports_with_a_node_down={self.reports} refilled={self.refilled} "
             f"duplicate_results={self.extra_results} wall={self.wall_s:.0f}s "
             f"(replay: CHAOS_SEED={self.seed})"
         )
@@ -327,7 +329,8 @@ class Chaos:
         name = await self.hub.mirror(node.id)
         mirror = await self.hub.js.stream_info(name)
         in_aggregate = sum((aggregate.state.subjects or {}).values())
-        if in_aggregate >= node.produced and mirror.state.messages >= node.produced:
+        # What the mirror skipped reaches the aggregate through the refill, not the mirror.
+        if in_aggregate >= node.produced and mirror.state.last_seq >= node.produced:
             return True
         # Shown if the deadline passes: where the readings stopped, and the mirror's own view.
         api = HubApi(self.hub.nc, self.hub.config.nats.domain)
@@ -349,15 +352,20 @@ class Chaos:
             aggregate = await scan(self.hub.js, "FLEET_TELEMETRY", f"fleet.{node.id}.tele.>")
             mirror = await scan(self.hub.js, await self.hub.mirror(node.id), "tele.>")
             got = [int(m.data) for m in aggregate]
-            device_seqs = [_source_seq(m) for m in aggregate]
+            origins = [_origin(m) for m in aggregate]
             out.at_hub[node.id] = len(got)
             out.duplicates += len(got) - len(set(got))
             out.losses += len(set(want) - set(got))
-            out.out_of_order += sum(1 for x, y in itertools.pairwise(got) if y <= x)
-            out.out_of_order += sum(1 for x, y in itertools.pairwise(device_seqs) if y != x + 1)
-            # The mirror keeps the device's sequence: reading n is device message n.
+            # Reading n is device message n, whichever way it came; refilled readings come
+            # after the rest, which keep the device's order.
+            out.out_of_order += sum(1 for (seq, _), n in zip(origins, got, strict=True) if seq != n)
+            sourced = [seq for seq, refilled in origins if not refilled]
+            out.out_of_order += sum(1 for x, y in itertools.pairwise(sourced) if y <= x)
+            refilled = {seq for seq, was in origins if was}
+            out.refilled += len(refilled)
+            # The mirror keeps the device's sequence; what it skipped was refilled.
             mirrored = [(m.metadata.sequence.stream, int(m.data)) for m in mirror]
-            out.losses += len(set(want) - {n for _, n in mirrored})
+            out.losses += len(set(want) - {n for _, n in mirrored} - refilled)
             out.out_of_order += sum(1 for seq, n in mirrored if seq != n)
         expected = self._expected_runs()
         results = Counter(await self._results())
@@ -371,10 +379,13 @@ class Chaos:
         out.extra_results = sum(count - 1 for count in results.values() if count > 1)
 
 
-def _source_seq(msg: Msg) -> int:
-    """The device's sequence of an aggregated message: ``Nats-Stream-Source`` is
-    ``<origin> <seq> …``."""
-    return int((msg.headers or {})["Nats-Stream-Source"].split()[1])
+def _origin(msg: Msg) -> tuple[int, bool]:
+    """The device's sequence of an aggregated message, and whether it was refilled:
+    ``Nats-Stream-Source`` (or ``Edge-Refill-Of``) is ``<mirror> <seq> …``."""
+    headers = msg.headers or {}
+    refilled = REFILL_HEADER in headers
+    origin = headers[REFILL_HEADER] if refilled else headers["Nats-Stream-Source"]
+    return int(origin.split()[1]), refilled
 
 
 async def _outbox_empty(node: Node) -> bool:
