@@ -28,6 +28,8 @@ from nats.js.errors import APIError
 
 from edge_agent.health import collect_status
 from edge_agent.island import pid_file
+from edge_agent.protocol.names import TELEMETRY, hub_consumer
+from edge_agent.streams import incarnations
 from hub_ingest.commands import Envelope, new_envelope, send
 from hub_ingest.refill import REFILL_HEADER
 from hub_ingest.registry import Registry
@@ -164,12 +166,15 @@ class Chaos:
         *,
         faults: int,
         schedule: list[Action] | None = None,
+        skip_every: int = 0,
     ) -> None:
         self.hub = hub
         self.root = root
         self.seed = seed
         nodes = NODES if isinstance(hub, ClusterHub) else ()
-        self.schedule = schedule or draw_schedule(seed, ["a", "b", "c"], faults=faults, nodes=nodes)
+        self.schedule = schedule or draw_schedule(
+            seed, ["a", "b", "c"], faults=faults, nodes=nodes, skip_every=skip_every
+        )
         self.nodes: dict[str, Node] = {}
         self.marker = root / "marker.py"
         self.runs_file = root / "runs.txt"
@@ -235,6 +240,11 @@ class Chaos:
             node.device.proxy.cut()
             self.outcome.faults[action.kind] += 1
             await asyncio.sleep(action.duration)  # the length of the outage
+            node.device.proxy.restore()
+        elif action.kind == "skip":
+            node.device.proxy.cut()
+            await asyncio.sleep(action.duration)  # the length of the outage
+            self.outcome.faults["skip" if await _skip_stored(node) else "cut"] += 1
             node.device.proxy.restore()
         elif action.kind == "agent_kill":
             node.agent.kill()
@@ -377,6 +387,25 @@ class Chaos:
         out.results = sum(results.values())
         out.missing_results = len(expected - set(results))
         out.extra_results = sum(count - 1 for count in results.values() if count > 1)
+
+
+async def _skip_stored(node: Node) -> bool:
+    """Move the floor of the consumer the hub's telemetry mirror reads through past what the
+    island holds: when the mirror binds again it takes that floor as what it already has, and
+    skips the rest for good (the engine's own gap, here on purpose). False if the island did
+    not answer (it may be restarting)."""
+    try:
+        incarnation = (await incarnations(node.device.js))[TELEMETRY]
+        last = (await node.device.js.stream_info(TELEMETRY)).state.last_seq
+        assert node.device.nc is not None and incarnation is not None
+        reply = await node.device.nc.request(
+            f"$JS.API.CONSUMER.RESET.{TELEMETRY}.{hub_consumer(incarnation)}",
+            json.dumps({"seq": last + 1}).encode(),
+            timeout=5,
+        )
+    except _TRANSIENT:
+        return False
+    return "error" not in json.loads(reply.data)
 
 
 def _origin(msg: Msg) -> tuple[int, bool]:

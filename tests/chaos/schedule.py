@@ -12,12 +12,14 @@ from dataclasses import dataclass
 from typing import Literal
 
 DEFAULT_SEED = 3  # a schedule with every kind of fault, 3 hub restarts among them
+SKIP_EVERY = 3  # every third cut makes the hub's mirror skip, and the refill heal it
 
 Kind = Literal[
-    "cut", "agent_kill", "island_kill", "hub_restart", "node_kill", "rolling_restart", "command"
-]
+    "cut", "skip", "agent_kill", "island_kill", "hub_restart", "node_kill", "rolling_restart",
+    "command",
+]  # fmt: skip
 FAULTS: tuple[Kind, ...] = (
-    "cut", "agent_kill", "island_kill", "hub_restart", "node_kill", "rolling_restart"
+    "cut", "skip", "agent_kill", "island_kill", "hub_restart", "node_kill", "rolling_restart"
 )  # fmt: skip
 # Relative weights: cuts are what devices see most; hub restarts are rare and slow to heal.
 _WEIGHTS: dict[Kind, float] = {
@@ -55,10 +57,13 @@ def draw_schedule(
     faults: int,
     gap: tuple[float, float] = (1.2, 3.0),
     nodes: tuple[str, ...] = (),
+    skip_every: int = 0,
 ) -> list[Action]:
     """Actions until `faults` faults are drawn. A device's next fault starts after its last
     one has healed, so every fault is a clean pair (cut/restore, kill/start). With hub
-    `nodes` (a cluster), node kills take the place of hub restarts."""
+    `nodes` (a cluster), node kills take the place of hub restarts. With `skip_every`, every
+    so many cuts is a *skip*: the cut during which the hub's mirror is made to skip what the
+    island stored (as nats-server does when a mirror binds above what it holds)."""
     rng = random.Random(seed)
     table = _CLUSTER_WEIGHTS if nodes else _WEIGHTS
     kinds = list(table)
@@ -66,6 +71,7 @@ def draw_schedule(
     busy_until = dict.fromkeys([*devices, "hub"], 0.0)
     actions: list[Action] = []
     t = 0.0
+    cuts = 0
     while sum(a.is_fault for a in actions) < faults:
         t += rng.uniform(*gap)
         kind = rng.choices(kinds, weights)[0]
@@ -81,5 +87,8 @@ def draw_schedule(
         busy_until[target] = t + duration + 1.0
         if kind == "node_kill":
             target = rng.choice(nodes)
+        if kind == "cut" and skip_every:
+            cuts += 1
+            kind = "skip" if cuts % skip_every == 0 else kind
         actions.append(Action(round(t, 2), kind, target, round(duration, 2)))
     return actions

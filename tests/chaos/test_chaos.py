@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.chaos.runner import Chaos
-from tests.chaos.schedule import seed_from_env
+from tests.chaos.schedule import SKIP_EVERY, seed_from_env
 from tests.support.cluster import Hub
 from tests.support.hubcluster import ClusterHub
 
@@ -30,7 +30,8 @@ async def test_nothing_lost_nothing_twice_under_chaos(
     seed = seed_from_env()
     with capsys.disabled():
         print(f"\nchaos seed={seed} (replay with CHAOS_SEED={seed})")
-    chaos = Chaos(hub, tmp_path, seed, faults=int(os.environ.get("CHAOS_FAULTS", "34")))
+    faults = int(os.environ.get("CHAOS_FAULTS", "34"))
+    chaos = Chaos(hub, tmp_path, seed, faults=faults, skip_every=SKIP_EVERY)
     try:
         await chaos.setup()
         outcome = await chaos.run()
@@ -41,6 +42,7 @@ async def test_nothing_lost_nothing_twice_under_chaos(
         print(summary)
     assert sum(outcome.faults.values()) >= 30, summary
     outcome.assert_exact()
+    assert outcome.faults["skip"] == 0 or outcome.refilled > 0, summary
 
 
 @pytest.mark.timeout(600)
@@ -51,7 +53,7 @@ async def test_nothing_lost_nothing_twice_under_chaos_on_a_hub_cluster(
     (a fleet report is taken while it is down) among cuts and agent and island kills."""
     seed = seed_from_env()
     faults = int(os.environ.get("CHAOS_CLUSTER_FAULTS", "14"))
-    chaos = Chaos(cluster_hub, tmp_path, seed, faults=faults)
+    chaos = Chaos(cluster_hub, tmp_path, seed, faults=faults, skip_every=SKIP_EVERY)
     try:
         await chaos.setup()
         outcome = await chaos.run()
@@ -62,3 +64,4 @@ async def test_nothing_lost_nothing_twice_under_chaos_on_a_hub_cluster(
         print(f"\n{summary}")
     assert outcome.faults["node_kill"] >= 1 and outcome.reports == outcome.faults["node_kill"]
     outcome.assert_exact()
+    assert outcome.faults["skip"] == 0 or outcome.refilled > 0, summary
