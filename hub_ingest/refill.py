@@ -95,6 +95,7 @@ def refill_stream(config: HubConfig) -> StreamConfig:
         subjects=["refill.>"],
         storage=StorageType.FILE,
         discard=DiscardPolicy.OLD,
+        duplicate_window=120.0,
         max_bytes=config.aggregates.max_bytes,
         max_age=config.aggregates.max_age,
         allow_direct=True,
