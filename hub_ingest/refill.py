@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import secrets
 import time
@@ -76,7 +77,10 @@ BUCKET = "FLEET_GAPS"
 BATCH = 256
 WINDOW = 2
 BATCH_BYTES = 1 << 20
-ASK_TIMEOUT = 5.0
+ASK_TIMEOUT = 2.0  # for the island's stream info: an offline island costs this
+READ_TIMEOUT = 10.0  # between two messages of a batch, on the slowest links
+RETRY_S = 30.0  # a pending gap is tried again this often even if its device is not linked here
+CONCURRENT = 8  # mirrors healed at once (an offline island costs a timeout)
 _WRONG_LAST_SEQUENCE = 10071  # the subject has a message: this sequence was refilled before
 # Reply headers of a direct get; the rest are the message's own.
 _SERVER_HEADERS = frozenset(
@@ -150,11 +154,15 @@ class MirrorGaps:
     incarnation: str
     device_stream: str
     refilled: int = 0  # readings read again from the island into FLEET_REFILL
-    in_aggregate: int = 0  # skipped by the mirror, but the aggregate kept them
+    kept: Ranges = field(default_factory=list)  # skipped by the mirror, kept by the aggregate
     lost: dict[str, Ranges] = field(default_factory=dict)  # reason → ranges
     pending: Ranges = field(default_factory=list)  # the island has not answered yet
     pending_since: str | None = None  # hub time the oldest pending gap was first seen
     checked_at: str = ""
+
+    @property
+    def in_aggregate(self) -> int:
+        return len(expand(self.kept))
 
     def lost_counts(self) -> dict[str, int]:
         return {reason: len(expand(r)) for reason, r in self.lost.items()}
@@ -171,6 +179,7 @@ class MirrorGaps:
         raw = json.loads(data)
         raw["lost"] = {k: [tuple(r) for r in v] for k, v in raw.get("lost", {}).items()}
         raw["pending"] = [tuple(r) for r in raw.get("pending", [])]
+        raw["kept"] = [tuple(r) for r in raw.get("kept", [])]
         return cls(**raw)
 
 
@@ -235,7 +244,8 @@ class Refiller:
     interval: float = 2.0
     # mirror → (first, last, deleted) when last looked at: an unchanged mirror is not asked
     seen: dict[str, tuple[int, int, int]] = field(default_factory=dict)
-    pending: set[str] = field(default_factory=set)  # mirrors whose island has not answered
+    # mirrors whose island did not answer → when it was last asked (monotonic)
+    pending: dict[str, float] = field(default_factory=dict)
     _kv: KeyValue | None = None
     _next: float = 0.0
 
@@ -245,41 +255,51 @@ class Refiller:
 
     async def tick(self, mirrors: Mapping[str, Target], linked: set[str]) -> None:
         """Look at every mirror whose skipped range changed, and at those with a gap pending
-        whose device is linked (`linked`: device ids); at most every `interval` seconds."""
-        if time.monotonic() < self._next:
+        whose device has linked here (`linked`: device ids) or that were last tried over
+        `RETRY_S` ago (the device may be linked to another node); at most every `interval`
+        seconds."""
+        now = time.monotonic()
+        if now < self._next:
             return
-        self._next = time.monotonic() + self.interval
+        self._next = now + self.interval
         if self._kv is None:
             self._kv = await open_bucket(self.js, self.config.replicas)
+        due = []
         for name, state in (await _mirror_states(self.js, mirrors)).items():
-            target = mirrors[name]
-            online = target.device.device_id in linked
-            if self.seen.get(name) == state and not (name in self.pending and online):
-                continue
-            gaps = await self.heal(target, linked=online)
+            tried = self.pending.get(name)
+            retry = tried is not None and (
+                mirrors[name].device.device_id in linked or now - tried >= RETRY_S
+            )
+            if self.seen.get(name) != state or retry:
+                due.append((name, state))
+        limit = asyncio.Semaphore(CONCURRENT)
+
+        async def heal(name: str, state: tuple[int, int, int]) -> None:
+            async with limit:
+                gaps = await self.heal(mirrors[name])
             self.seen[name] = state
             if gaps.pending:
-                self.pending.add(name)
+                self.pending[name] = time.monotonic()
             else:
-                self.pending.discard(name)
+                self.pending.pop(name, None)
 
-    async def heal(self, target: Target, *, linked: bool = True) -> MirrorGaps:
+        await asyncio.gather(*(heal(name, state) for name, state in due))
+
+    async def heal(self, target: Target) -> MirrorGaps:
         """Refill what `target`'s mirror skipped; record and return what became of it."""
         assert self._kv is not None
         before = await self._record(target)
         deleted = await _deleted(self.nc, self.api, target.mirror)
         done = await _refilled(self.js, target.mirror)
         lost = {reason: expand(r) for reason, r in before.lost.items()}
-        held = set().union(*lost.values()) if lost else set()
-        todo = sorted(deleted - done - held)
-        in_aggregate = before.in_aggregate
+        kept = expand(before.kept)
+        todo = sorted(deleted - done - kept - set().union(set(), *lost.values()))
         pending: list[int] = []
         if todo:
-            in_agg = await _in_aggregate(self.js, self.nc, self.api, target, todo)
-            in_aggregate += len(in_agg)
-            todo = [s for s in todo if s not in in_agg]
+            kept |= await _in_aggregate(self.js, self.nc, self.api, target, todo)
+            todo = [s for s in todo if s not in kept]
         if todo:
-            island = await self._island_state(target) if linked else None
+            island = await self._island_state(target)
             if island is None:
                 pending = todo
             else:
@@ -293,13 +313,13 @@ class Refiller:
             incarnation=target.incarnation.id,
             device_stream=target.incarnation.stream,
             refilled=len(done),
-            in_aggregate=in_aggregate,
+            kept=to_ranges(kept),
             lost={reason: to_ranges(seqs) for reason, seqs in sorted(lost.items()) if seqs},
             pending=to_ranges(pending),
             pending_since=(before.pending_since or utc_now_iso()) if pending else None,
             checked_at=utc_now_iso(),
         )
-        if gaps != before:
+        if dataclasses.replace(gaps, checked_at=before.checked_at) != before:
             await self._kv.put(target.mirror, gaps.to_json())
             log.info(
                 "mirror_gap_checked",
@@ -369,7 +389,7 @@ class Refiller:
                 target.device,
                 f"{target.device.api_prefix}.DIRECT.GET.{target.incarnation.stream}",
                 {"seq": seq, "batch": hi - seq + 1, "max_bytes": BATCH_BYTES},
-                timeout=ASK_TIMEOUT,
+                timeout=READ_TIMEOUT,
                 many=True,
             )
             # A batch holds the next messages the island has, which may lie past `hi`.
@@ -472,10 +492,21 @@ async def _in_aggregate(
     js: JetStreamContext, nc: Client, api: str, target: Target, todo: list[int]
 ) -> set[int]:
     """Which of `todo` the aggregate holds already, sourced from the mirror before it lost
-    them. The device's rows in the aggregate are in device order, so a binary search on the
-    aggregate's sequences finds where `todo` would be, and a short read forward says."""
+    them."""
+    held: set[int] = set()
+    for span in to_ranges(todo):
+        held |= await _in_aggregate_range(js, nc, api, target, span)
+    return held
+
+
+async def _in_aggregate_range(
+    js: JetStreamContext, nc: Client, api: str, target: Target, span: tuple[int, int]
+) -> set[int]:
+    """The sequences of the mirror in `span` the aggregate holds. The device's rows in
+    the aggregate are in device order, so a binary search on the aggregate's sequences finds
+    where the range would be, and a short read forward says."""
+    lo_seq, hi_seq = span
     filter_subject = f"fleet.{target.device.device_id}.>"
-    lo_seq, hi_seq = todo[0], todo[-1]
 
     async def device_seq_at(agg_seq: int) -> tuple[int, int] | None:
         """(aggregate seq, device seq) of the mirror's first row at or after `agg_seq`."""
@@ -497,7 +528,6 @@ async def _in_aggregate(
         else:
             low = found[0] + 1
     held: set[int] = set()
-    want = set(todo)
     seq = low
     while seq <= info.state.last_seq:
         msgs = await _direct(nc, api, target.aggregate, seq, subject=filter_subject, batch=BATCH)
@@ -508,7 +538,7 @@ async def _in_aggregate(
             if origin is not None and origin[0] == target.mirror:
                 if origin[1] > hi_seq:
                     return held
-                if origin[1] in want:
+                if origin[1] >= lo_seq:
                     held.add(origin[1])
         seq = msgs[-1].seq + 1
     return held
