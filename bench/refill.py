@@ -5,9 +5,9 @@ consumer's floor moved past them while the link is cut; `tests/test_refill.py`),
 shaped link (100 ms round trip, 2 Mbit/s each way by default; `hub_ingest.locallink.Shape`):
 
 - **throughput**: `--readings` readings skipped at once (the mirror skips them when the
-  next reading arrives); the time from the link's return until the aggregate holds them all, as readings per second, against the baseline of the
-  same number of readings drained the usual way (through the mirror) over the same link in
-  the same run;
+  next reading arrives); the time from the link's return until the aggregate holds them
+  all, as readings per second, against the baseline of the same number of readings drained
+  the usual way (through the mirror) over the same link in the same run;
 - **detection delay**: `--gaps` small gaps made one after the other; for each, the time from
   the mirror's skip (its last sequence jumps past the range) to the range in the aggregate.
 
