@@ -26,7 +26,7 @@ import contextlib
 import json
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -191,28 +191,45 @@ async def watch(
     *,
     interval: float = 0.5,
 ) -> None:
-    """Observe each device whose leaf connection is new, until `stop` is set."""
+    """Until `stop` is set: observe each device whose leaf connection is new, and heal what
+    the hub's mirrors skipped (`hub_ingest.refill`), each in its own loop, so that a long
+    refill over a slow link never holds up a re-imaged device."""
     rounds: _Rounds | None = None
-    failing: tuple[str, int] | None = None  # the last round's error, and the rounds it failed
+
+    async def ready() -> _Rounds:
+        nonlocal rounds
+        if rounds is None:
+            registry = await Registry.open(js)
+            rounds = _Rounds(js, nc, config, registry, _Fleet(registry), Refiller(js, nc, config))
+        return rounds
+
+    async def observe_links() -> None:
+        await (await ready()).run(await monitor.get("/leafz"))
+
+    async def heal_gaps() -> None:
+        await (await ready()).refill()
+
     log.info("incarnation_watch_started")
+    async with asyncio.TaskGroup() as tasks:
+        tasks.create_task(_repeat("incarnation_watch", observe_links, interval, stop))
+        tasks.create_task(_repeat("gap_watch", heal_gaps, interval, stop))
+
+
+async def _repeat(
+    name: str, step: Callable[[], Awaitable[None]], interval: float, stop: asyncio.Event
+) -> None:
+    """`step` every `interval` seconds until `stop`; a failure is logged once (and again when
+    it changes, not twice a second while a node is down), then its recovery."""
+    failing: tuple[str, int] | None = None  # the last error, and the rounds it failed
     while not stop.is_set():
         try:
-            if rounds is None:
-                registry = await Registry.open(js)
-                rounds = _Rounds(
-                    js, nc, config, registry, _Fleet(registry), Refiller(js, nc, config)
-                )
-            leafz = await monitor.get("/leafz")
-            await rounds.run(leafz)
-            await rounds.refill(leafz)
+            await step()
             if failing is not None:
-                log.info("incarnation_watch_recovered", failed_rounds=failing[1])
+                log.info(f"{name}_recovered", failed_rounds=failing[1])
                 failing = None
         except Exception as exc:  # a hub restart or a slow device: try again
-            # Said once, and again when the error changes: not twice a second while a node
-            # is down.
             if failing is None or failing[0] != repr(exc):
-                log.warning("incarnation_watch_failed", error=repr(exc))
+                log.warning(f"{name}_failed", error=repr(exc))
             failing = (repr(exc), failing[1] + 1 if failing else 1)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), interval)
@@ -231,6 +248,7 @@ class _Rounds:
     # A recorded incarnation whose streams are not provisioned yet (the hub failed in between,
     # e.g. during a reload): the registry already knows it, so provision again until it works.
     unprovisioned: bool = False
+    linked: set[str] = field(default_factory=set)  # device ids linked to this node
 
     async def run(self, leafz: Mapping[str, object]) -> None:
         """Ask every linked device whose connection is new (or checked long ago), at once."""
@@ -239,8 +257,10 @@ class _Rounds:
             self.unprovisioned = False
         now = time.monotonic()
         due: list[tuple[Device, int]] = []
+        linked = set()
         for name, leaf in _leaf_ids(leafz).items():
             device = await self.fleet.device(name)
+            linked |= {device.device_id} if device else set()
             last = self.checked.get(device.device_id) if device else None
             if device and not (last and last[0] == leaf and now - last[1] < RECHECK_S):
                 due.append((device, leaf))
@@ -255,15 +275,11 @@ class _Rounds:
             # again at the next round until both have answered.
             if len(seen) == len(OUTBOUND):
                 self.checked[device.device_id] = (leaf, now)
+        self.linked = linked
         if self.unprovisioned:  # one pass for every device recorded in this round
             await provision(self.js, self.config, await self.registry.list())
             self.unprovisioned = False
 
-    async def refill(self, leafz: Mapping[str, object]) -> None:
-        """Heal what the hub's mirrors skipped, from the islands linked now."""
-        linked = set()
-        for name in _leaf_ids(leafz):
-            device = await self.fleet.device(name)
-            if device is not None:
-                linked.add(device.device_id)
-        await self.refiller.tick(mirror_targets(await self.fleet.devices()), linked)
+    async def refill(self) -> None:
+        """Heal what the hub's mirrors skipped, from the islands (`linked` here first)."""
+        await self.refiller.tick(mirror_targets(await self.fleet.devices()), self.linked)
