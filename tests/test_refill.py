@@ -14,6 +14,7 @@ from hub_ingest.refill import REFILL_HEADER, MirrorGaps, healed, read_gaps
 from hub_ingest.registry import Registry
 from hub_ingest.report import SourceState, collect_report, hub_gaps
 from tests.support.cluster import Device, Hub
+from tests.support.hubcluster import ClusterHub
 from tests.support.ingest import ingest_config, run_once, telemetry
 from tests.support.scan import scan
 from tests.support.waiting import RESUME_TIMEOUT, eventually
@@ -188,6 +189,43 @@ async def test_a_gap_waits_for_the_island_and_is_refilled_when_it_links(hub: Hub
 
     await eventually(refilled, timeout=RESUME_TIMEOUT, what="the gap refilled")
     assert sorted(seq for seq, _, _ in await _aggregate_rows(hub)) == list(range(1, 11))
+
+
+async def test_on_a_cluster_a_new_mirror_leader_above_its_copy_is_refilled_once(
+    cluster_hub: ClusterHub,
+) -> None:
+    """Three nodes, one watcher each (three refillers racing): the mirror's leader is
+    SIGKILLed and, before a new one binds, the island consumer is moved to sequence 9 while
+    6..10 are stored. The mirror skips 6..8; they are refilled exactly once (FLEET_REFILL's
+    one subject per sequence), and reach the R3 aggregate once."""
+    hub = cluster_hub
+    a = await hub.device("a", heartbeat_interval="1s")
+    for i in range(5):
+        await a.js.publish("tele.temp", str(i).encode())
+    mirror = await eventually(lambda: hub.mirror("a"), timeout=60, what="a's mirror")
+    await eventually(lambda: _last_seq(hub, mirror, 5), timeout=RESUME_TIMEOUT, what="5 at hub")
+    cluster = (await hub.js.stream_info(mirror)).cluster
+    assert cluster is not None and cluster.leader is not None
+    await hub.kill(cluster.leader)
+    incarnation = (await incarnations(a.js))["TELEMETRY"]
+    assert incarnation is not None and a.nc is not None
+    reply = await a.nc.request(
+        f"$JS.API.CONSUMER.RESET.TELEMETRY.{hub_consumer(incarnation)}", b'{"seq": 9}', timeout=5
+    )
+    assert "error" not in json.loads(reply.data), reply.data
+    for i in range(5, 10):
+        await a.js.publish("tele.temp", str(i).encode())
+    await hub.start(cluster.leader)
+
+    async def all_ten() -> bool:
+        return len(await _aggregate_rows(hub)) >= 10
+
+    await eventually(all_ten, timeout=RESUME_TIMEOUT, what="the aggregate refilled")
+    rows = await _aggregate_rows(hub)
+    assert sorted(seq for seq, _, _ in rows) == list(range(1, 11))
+    assert sorted(seq for seq, _, refilled in rows if refilled) == [6, 7, 8]
+    refills = await scan(hub.js, "FLEET_REFILL", "refill.>")
+    assert len(refills) == 3
 
 
 def test_skips_the_refill_has_looked_at_are_not_flagged() -> None:
