@@ -17,6 +17,8 @@ as *deleted* and never asks for it again. The island still holds it, so the hub 
   Each aggregate sources ``FLEET_REFILL`` with the transform ``refill.<aggregate>.*.*.>`` →
   ``fleet.>``, so a refilled reading reaches the aggregate as ``fleet.<device>.<subject>``
   like every other, for the ingest and any other hub consumer;
+- **rows deleted from an aggregate by hand** (its sources have moved past them) are found
+  through the mirrors that still hold them and put back through ``FLEET_REFILL`` the same way;
 - **never twice**: a sequence the mirror lost but the aggregate still holds (a hub power cut
   takes each stream's unsynced tail separately) is found in the aggregate and not refilled;
 - **count the rest**: a sequence the island no longer holds is lost, with its reason
@@ -246,6 +248,8 @@ class Refiller:
     seen: dict[str, tuple[int, int, int]] = field(default_factory=dict)
     # mirrors whose island did not answer → when it was last asked (monotonic)
     pending: dict[str, float] = field(default_factory=dict)
+    # aggregate → its deleted sequences whose rows were put back (or were nobody's)
+    aggregate_done: dict[str, set[int]] = field(default_factory=dict)
     _kv: KeyValue | None = None
     _next: float = 0.0
 
@@ -264,8 +268,15 @@ class Refiller:
         self._next = now + self.interval
         if self._kv is None:
             self._kv = await open_bucket(self.js, self.config.replicas)
+        aggregates = {t.aggregate for t in mirrors.values()}
+        states = await _deleted_states(self.js, set(mirrors) | aggregates)
+        await self._heal_aggregates(
+            {name: s for name, s in states.items() if name in aggregates}, mirrors
+        )
         due = []
-        for name, state in (await _mirror_states(self.js, mirrors)).items():
+        for name, state in states.items():
+            if name not in mirrors:
+                continue
             tried = self.pending.get(name)
             retry = tried is not None and (
                 mirrors[name].device.device_id in linked or now - tried >= RETRY_S
@@ -332,6 +343,65 @@ class Refiller:
             )
         return gaps
 
+    async def _heal_aggregates(
+        self, states: Mapping[str, tuple[int, int, int]], mirrors: Mapping[str, Target]
+    ) -> None:
+        """Put back what was deleted from an aggregate by hand while its mirrors still hold it
+        (the aggregate's sources have moved past it and would never bring it again)."""
+        for aggregate, (first, _, count) in states.items():
+            done = self.aggregate_done.get(aggregate, set())
+            if count == len({s for s in done if s >= first}):
+                continue
+            deleted = await _deleted(self.nc, self.api, aggregate)
+            settled = True
+            for target in (t for t in mirrors.values() if t.aggregate == aggregate):
+                for span in to_ranges(deleted - done):
+                    settled &= await self._reroute(target, span, first)
+            if settled:
+                self.aggregate_done[aggregate] = deleted
+
+    async def _reroute(self, target: Target, span: tuple[int, int], aggregate_first: int) -> bool:
+        """Publish into FLEET_REFILL, from the hub's mirror, the rows of `target` that were in
+        the aggregate's deleted `span`; False when that cannot be told yet (the mirror's rows
+        after the span have not reached the aggregate)."""
+        first, last = span
+        before = await _sourced_row(self.nc, self.api, target, first, before=True)
+        after = await _sourced_row(self.nc, self.api, target, last + 1)
+        mirror = await self.js.stream_info(target.mirror)
+        if before is None and aggregate_first > 1:
+            # The mirror's rows before the span may have aged out of the aggregate, and would
+            # be told from the deleted ones only by the archive: put nothing back.
+            log.warning("aggregate_rows_unknown", aggregate=target.aggregate, mirror=target.mirror)
+            return True
+        low = before + 1 if before is not None else mirror.state.first_seq
+        if after is None:
+            if low > mirror.state.last_seq:
+                return True  # nothing of this mirror came after the rows before the span
+            if not await _sourced_all(self.nc, self.api, target):
+                return False
+            high = mirror.state.last_seq
+        else:
+            high = after - 1
+        if low > high:
+            return True
+        skipped = await _deleted(self.nc, self.api, target.mirror)
+        todo = set(range(low, high + 1)) - skipped - await _refilled(self.js, target.mirror)
+        todo -= await _in_aggregate(self.js, self.nc, self.api, target, sorted(todo))
+        source = f"{self.api}.DIRECT.GET.{target.mirror}"
+        for lo, hi in to_ranges(todo):
+            for msg in await self._read(target, lo, hi, source):
+                await self._publish(target, msg)
+        if todo:
+            log.warning(
+                "aggregate_rows_put_back",
+                aggregate=target.aggregate,
+                mirror=target.mirror,
+                device_id=target.device.device_id,
+                rows=len(todo),
+            )
+            await self.heal(target)  # records the new refilled count
+        return True
+
     async def _record(self, target: Target) -> MirrorGaps:
         assert self._kv is not None
         try:
@@ -379,15 +449,17 @@ class Refiller:
         lost["deleted_on_device"] = set(wanted) - refilled
         return refilled, lost
 
-    async def _read(self, target: Target, lo: int, hi: int) -> list[Msg]:
-        """The island's messages `lo`..`hi` (those it still has), a bounded batch at a time."""
+    async def _read(self, target: Target, lo: int, hi: int, source: str = "") -> list[Msg]:
+        """The island's messages `lo`..`hi` (those it still has), a bounded batch at a time;
+        or those of another stream's direct get subject, `source`."""
+        source = source or f"{target.device.api_prefix}.DIRECT.GET.{target.incarnation.stream}"
         got: list[Msg] = []
         seq = lo
         while seq <= hi:
             msgs = await _ask(
                 self.nc,
                 target.device,
-                f"{target.device.api_prefix}.DIRECT.GET.{target.incarnation.stream}",
+                source,
                 {"seq": seq, "batch": hi - seq + 1, "max_bytes": BATCH_BYTES},
                 timeout=READ_TIMEOUT,
                 many=True,
@@ -453,10 +525,8 @@ async def _ask(
             await sub.unsubscribe()
 
 
-async def _mirror_states(
-    js: JetStreamContext, targets: Mapping[str, Target]
-) -> dict[str, tuple[int, int, int]]:
-    """(first, last, deleted) of each target mirror that has skipped anything."""
+async def _deleted_states(js: JetStreamContext, names: set[str]) -> dict[str, tuple[int, int, int]]:
+    """(first, last, deleted) of each of the streams `names` that has deleted sequences."""
     states: dict[str, tuple[int, int, int]] = {}
     offset = 0
     while page := await js.streams_info(offset=offset):
@@ -464,7 +534,7 @@ async def _mirror_states(
         for info in page:
             name = info.config.name or ""
             deleted = info.state.num_deleted or 0
-            if name in targets and deleted:
+            if name in names and deleted:
                 states[name] = (info.state.first_seq, info.state.last_seq, deleted)
     return states
 
@@ -542,6 +612,54 @@ async def _in_aggregate_range(
                     held.add(origin[1])
         seq = msgs[-1].seq + 1
     return held
+
+
+async def _sourced_row(
+    nc: Client, api: str, target: Target, agg_seq: int, *, before: bool = False
+) -> int | None:
+    """The mirror sequence of the first row the aggregate sourced from `target`'s mirror at
+    or after aggregate sequence `agg_seq`; with `before`, of the last one before it (a binary
+    search: the mirror's rows are in order in the aggregate). Refilled rows, out of order,
+    are passed over."""
+    if not before:
+        found = await _next_sourced(nc, api, target, agg_seq, until=None)
+        return found[1] if found else None
+    low, high, best = 1, agg_seq - 1, None
+    while low <= high:
+        mid = (low + high) // 2
+        found = await _next_sourced(nc, api, target, mid, until=agg_seq)
+        if found is None:
+            high = mid - 1
+        else:
+            best, low = found[1], found[0] + 1
+    return best
+
+
+async def _next_sourced(
+    nc: Client, api: str, target: Target, agg_seq: int, *, until: int | None
+) -> tuple[int, int] | None:
+    """(aggregate seq, mirror seq) of the first row sourced from the mirror at or after
+    `agg_seq` (and before `until`)."""
+    seq = agg_seq
+    subject = f"fleet.{target.device.device_id}.>"
+    while msgs := await _direct(nc, api, target.aggregate, seq, subject=subject, batch=BATCH):
+        for msg in msgs:
+            if until is not None and msg.seq >= until:
+                return None
+            raw = msg.headers.get("Nats-Stream-Source", "").split()
+            if len(raw) > 1 and raw[0].split(":", 1)[0] == target.mirror:
+                return msg.seq, int(raw[1])
+        seq = msgs[-1].seq + 1
+    return None
+
+
+async def _sourced_all(nc: Client, api: str, target: Target) -> bool:
+    """Whether the aggregate has sourced everything the mirror holds (no lag)."""
+    reply = await nc.request(f"{api}.STREAM.INFO.{target.aggregate}", b"", timeout=10)
+    for source in json.loads(reply.data).get("sources") or []:
+        if source.get("name") == target.mirror:
+            return int(source.get("lag", 1)) == 0 and source.get("error") is None
+    return False
 
 
 @dataclass(frozen=True, slots=True)

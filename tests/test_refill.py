@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+from nats.aio.msg import Msg
 from pyspark.sql import SparkSession
 
 from edge_agent.protocol.names import hub_consumer
@@ -155,6 +156,52 @@ async def test_what_the_mirror_lost_but_the_aggregate_kept_is_not_refilled(hub: 
     record = await eventually(checked, timeout=30, what="the gap checked")
     assert (record.refilled, record.kept, record.lost) == (0, [(3, 3)], {})
     assert [seq for seq, _, _ in await _aggregate_rows(hub)] == [1, 2, 3, 4, 5]
+
+
+async def test_a_range_deleted_from_the_aggregate_by_hand_is_put_back_once(
+    hub: Hub, spark: SparkSession
+) -> None:
+    """Rows of two devices are deleted from FLEET_TELEMETRY by hand before the ingest read
+    them; the mirrors still hold them, so the watcher puts each back once (from the hub's
+    mirror, through FLEET_REFILL) and the archive ends complete."""
+    a = await hub.device("a", heartbeat_interval="1s")
+    b = await hub.device("b", heartbeat_interval="1s")
+    for i in range(6):
+        for device in (a, b):
+            await device.js.publish("tele.temp", str(i).encode())
+
+    async def rows() -> list[Msg]:
+        return await scan(hub.js, "FLEET_TELEMETRY", "fleet.*.tele.>")
+
+    async def all_rows(n: int) -> list[Msg] | None:
+        got = await rows()
+        return got if len(got) >= n else None
+
+    sourced = await eventually(lambda: all_rows(12), timeout=RESUME_TIMEOUT, what="12 rows")
+    seqs = [m.metadata.sequence.stream for m in sourced]
+    for seq in seqs[3:8]:  # the middle rows, of both devices
+        await hub.js.delete_msg("FLEET_TELEMETRY", seq)
+    for device in (a, b):  # the mirrors' next rows reach the aggregate after the deleted span
+        await device.js.publish("tele.temp", b"6")
+
+    await eventually(lambda: all_rows(14), timeout=30, what="the deleted rows put back")
+    for name in ("a", "b"):
+        mine = [
+            int(origin.split()[1])
+            for m in await rows()
+            if m.subject.startswith(f"fleet.{name}.")
+            for origin in [(m.headers or {}).get(REFILL_HEADER) or m.headers["Nats-Stream-Source"]]
+        ]
+        assert sorted(mine) == list(range(1, 8)), (name, mine)
+    records = await read_gaps(hub.js)
+    assert sum(r.refilled for r in records.values()) == 5
+    config = ingest_config(hub)
+    await run_once(spark, config)
+    archived = telemetry(config).to_pylist()
+    assert sorted((r["device_id"], r["device_seq"]) for r in archived) == [
+        (d, n) for d in ("a", "b") for n in range(1, 8)
+    ]
+    assert audit_archive(config.ingest, await healed(hub.js)).ok
 
 
 async def test_a_gap_waits_for_the_island_and_is_refilled_when_it_links(hub: Hub) -> None:
