@@ -1,8 +1,33 @@
-"""The hub's key-value buckets (the registry, the command index) as the server stores them."""
+"""The hub's key-value buckets (the registry, the command index, the gaps) as the server
+stores them: one definition of their names and of how each is made."""
 
 from __future__ import annotations
 
 from nats.js import JetStreamContext
+from nats.js.api import KeyValueConfig, StorageType
+from nats.js.errors import BucketNotFoundError
+from nats.js.kv import KeyValue
+
+COMMAND_INDEX = "FLEET_COMMAND_INDEX"  # hub_ingest.command_index
+GAPS = "FLEET_GAPS"  # hub_ingest.refill
+
+
+async def open_bucket(
+    js: JetStreamContext, bucket: str, *, replicas: int = 1, direct: bool = False
+) -> KeyValue:
+    """`bucket` (one value per key, on disk), made with `replicas` if missing."""
+    try:
+        return await js.key_value(bucket)
+    except BucketNotFoundError:
+        return await js.create_key_value(
+            KeyValueConfig(
+                bucket=bucket,
+                history=1,
+                storage=StorageType.FILE,
+                direct=direct,
+                replicas=replicas,
+            )
+        )
 
 
 def bucket_stream(bucket: str) -> str:

@@ -35,9 +35,8 @@ from typing import Any
 
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, KeyValueConfig, StorageType
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import (
-    BucketNotFoundError,
     KeyNotFoundError,
     KeyWrongLastSequenceError,
     NotFoundError,
@@ -49,10 +48,10 @@ from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_ex
 from edge_agent.protocol.envelope import supersedes
 from edge_agent.protocol.names import HUB_COMMANDS
 from hub_ingest.attribution import Attribution, attribute
-from hub_ingest.buckets import bucket_keys
+from hub_ingest.buckets import COMMAND_INDEX, bucket_keys, open_bucket
 from hub_ingest.errors import ReportError
 
-BUCKET = "FLEET_COMMAND_INDEX"
+BUCKET = COMMAND_INDEX
 RESULT_FILTER = "fleet.*.evt.*.result"
 _BATCH = 256
 _WRITE_ATTEMPTS = 10  # optimistic writes that lost a race are retried this often
@@ -209,19 +208,7 @@ class CommandIndex:
     @classmethod
     async def open(cls, js: JetStreamContext, replicas: int = 1) -> CommandIndex:
         """The index, made (with `replicas`: the hub's, see `HubConfig.replicas`) if missing."""
-        try:
-            kv = await js.key_value(BUCKET)
-        except BucketNotFoundError:
-            kv = await js.create_key_value(
-                KeyValueConfig(
-                    bucket=BUCKET,
-                    history=1,
-                    storage=StorageType.FILE,
-                    direct=True,
-                    replicas=replicas,
-                )
-            )
-        return cls(js, kv)
+        return cls(js, await open_bucket(js, BUCKET, replicas=replicas, direct=True))
 
     async def catch_up(self, event_streams: Iterable[str], *, commands: bool = True) -> None:
         """Read what the `event_streams` (and ``COMMANDS``) stored since the last call."""

@@ -51,13 +51,10 @@ from edge_agent.protocol.names import (
 )
 from edge_agent.protocol.reconcile import Reconciled, mirror_consumer, reconcile_stream
 from edge_agent.protocol.units import parse_time
-from hub_ingest.buckets import bucket_stream
-from hub_ingest.command_index import BUCKET as INDEX_BUCKET
-from hub_ingest.command_index import CommandIndex
+from hub_ingest.buckets import COMMAND_INDEX, GAPS, bucket_stream, open_bucket
 from hub_ingest.config import HubConfig
 from hub_ingest.errors import ProvisionError
-from hub_ingest.refill import BUCKET as GAPS_BUCKET
-from hub_ingest.refill import REFILL_STREAM, Target, open_bucket, refill_source, refill_stream
+from hub_ingest.refill import REFILL_STREAM, Target, refill_source, refill_stream
 from hub_ingest.registry import BUCKET, Device, Incarnation, Registry
 
 log = structlog.get_logger(__name__)
@@ -69,8 +66,8 @@ MANAGED_BY = {"managed-by": "hub-ingest"}
 # second time, or take them from the streams that should have them.
 _ROUNDS = 5  # of provisioning, while the registry changes under it
 REGISTRY_STREAM = bucket_stream(BUCKET)
-INDEX_STREAM = bucket_stream(INDEX_BUCKET)
-GAPS_STREAM = bucket_stream(GAPS_BUCKET)
+INDEX_STREAM = bucket_stream(COMMAND_INDEX)
+GAPS_STREAM = bucket_stream(GAPS)
 FLEET_SUBJECTS = ("cmd.>", "fleet.>", "tele.>", "evt.>", "hubin.>", "devin.>", "refill.>")
 
 
@@ -388,8 +385,8 @@ async def _provision_once(
         # The command index is made here, with every node up, rather than by the first
         # report or status: made while a node is down, its replica group may be left
         # without a leader when another node goes (seen on a 3-node hub).
-        await CommandIndex.open(js, config.replicas)
-        await open_bucket(js, config.replicas)
+        await open_bucket(js, COMMAND_INDEX, replicas=config.replicas, direct=True)
+        await open_bucket(js, GAPS, replicas=config.replicas)
         results = [
             await _bucket_replicas(js, stream, config.replicas)
             for stream in (REGISTRY_STREAM, INDEX_STREAM, GAPS_STREAM)

@@ -52,7 +52,6 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import (
     DiscardPolicy,
-    KeyValueConfig,
     StorageType,
     StreamConfig,
     StreamSource,
@@ -63,7 +62,7 @@ from nats.js.kv import KeyValue
 
 from edge_agent.protocol.names import INCARNATION, hub_reply_prefix, js_api
 from edge_agent.protocol.units import utc_now_iso
-from hub_ingest.buckets import bucket_keys
+from hub_ingest.buckets import GAPS, bucket_keys, open_bucket
 from hub_ingest.config import HubConfig
 from hub_ingest.registry import Device, Incarnation
 
@@ -72,7 +71,7 @@ log = structlog.get_logger(__name__)
 REFILL_STREAM = "FLEET_REFILL"
 REFILL_HEADER = "Edge-Refill-Of"  # <mirror> <device seq> <subject> <device store time>
 MSG_ID_HEADER = "Edge-Refill-Msg-Id"
-BUCKET = "FLEET_GAPS"
+BUCKET = GAPS
 # Messages per direct get from an island, and gets in flight: on a 2 Mbit/s, 100 ms link two
 # batches of 256 readings keep the link busy while the round trips overlap, and leave gaps
 # in which live traffic and commands get through.
@@ -185,15 +184,6 @@ class MirrorGaps:
         return cls(**raw)
 
 
-async def open_bucket(js: JetStreamContext, replicas: int = 1) -> KeyValue:
-    try:
-        return await js.key_value(BUCKET)
-    except BucketNotFoundError:
-        return await js.create_key_value(
-            KeyValueConfig(bucket=BUCKET, history=1, storage=StorageType.FILE, replicas=replicas)
-        )
-
-
 async def read_gaps(js: JetStreamContext) -> dict[str, MirrorGaps]:
     """Every mirror's record, by mirror name ({} before the first gap)."""
     try:
@@ -267,7 +257,7 @@ class Refiller:
             return
         self._next = now + self.interval
         if self._kv is None:
-            self._kv = await open_bucket(self.js, self.config.replicas)
+            self._kv = await open_bucket(self.js, BUCKET, replicas=self.config.replicas)
         aggregates = {t.aggregate for t in mirrors.values()}
         states = await _deleted_states(self.js, set(mirrors) | aggregates)
         await self._heal_aggregates(
