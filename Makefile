@@ -39,7 +39,7 @@ demo: venv
 	$(BIN)/python bench/demo.py $(ARGS)
 
 demo-stop: venv
-	$(BIN)/python -m hub_ingest.localfleet stop demo-state
+	$(BIN)/python -m hub_ingest.local.fleet stop demo-state
 
 test: venv tools
 	$(BIN)/ruff check edge_agent hub_ingest tests bench
@@ -53,5 +53,5 @@ lint: venv
 	$(BIN)/mypy
 
 clean:
-	-$(BIN)/python -m hub_ingest.localfleet stop demo-state 2>/dev/null
+	-$(BIN)/python -m hub_ingest.local.fleet stop demo-state 2>/dev/null
 	rm -rf $(VENV) demo-state .pytest_cache .mypy_cache .ruff_cache

@@ -1,6 +1,6 @@
 """`make demo`: a hub and three devices on loopback, one flaky link, commands, and a check.
 
-The fleet is the product's local launcher (`hub_ingest.localfleet`): the hub's nats-server and
+The fleet is the product's local launcher (`hub_ingest.local.fleet`): the hub's nats-server and
 ``hub-ingest watch``, and per device ``edge-agent run`` (its island a child) behind a link
 process the demo cuts. Every phase prints progress and ends in a verdict; the demo exits 1 if
 anything produced on a device did not reach the hub (and the archive, exactly once) or a
@@ -30,11 +30,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from edge_agent.protocol.logs import configure_logging
 from edge_agent.protocol.names import COMMAND_MIRROR, TELEMETRY
-from hub_ingest import table
-from hub_ingest.commands import BROADCAST, ResultReader, describe, event_streams, new_envelope, send
-from hub_ingest.config import HubConfig
-from hub_ingest.localfleet import LocalDevice, LocalFleet, stop_fleet, stream_messages
-from hub_ingest.registry import Registry
+from hub_ingest.archive import table
+from hub_ingest.commands.send import (
+    BROADCAST,
+    ResultReader,
+    describe,
+    event_streams,
+    new_envelope,
+    send,
+)
+from hub_ingest.core.config import HubConfig
+from hub_ingest.fleet.registry import Registry
+from hub_ingest.local.fleet import LocalDevice, LocalFleet, stop_fleet, stream_messages
 
 STATE = Path("demo-state")
 DEVICES = ("gateway-1", "truck-2", "kiosk-3")
@@ -323,7 +330,7 @@ The fleet is still running. Try:
   {hub} audit
   {hub} command send --device {FLAKY} ping
   {agent} status --json
-Stop it with: make demo-stop   (or: .venv/bin/python -m hub_ingest.localfleet stop ./{STATE})"""
+Stop it with: make demo-stop   (or: .venv/bin/python -m hub_ingest.local.fleet stop ./{STATE})"""
 
 
 def main() -> int:

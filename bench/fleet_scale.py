@@ -75,14 +75,14 @@ from edge_agent.protocol.monitor import Monitor
 from edge_agent.protocol.names import COMMAND_MIRROR, EVENTS, OUTBOUND, TELEMETRY
 from edge_agent.protocol.natsserver import ServerProcess
 from edge_agent.streams import reconcile
-from hub_ingest.commands import command_status, new_envelope, send
-from hub_ingest.enrol import Enrolment, enrol, enrol_many
-from hub_ingest.incarnations import device_incarnations, record
-from hub_ingest.localfleet import free_port, start_local_hub
-from hub_ingest.provision import mirror_name, provision
-from hub_ingest.registry import Device as Registered
-from hub_ingest.registry import Registry
-from hub_ingest.report import collect_report
+from hub_ingest.commands.send import command_status, new_envelope, send
+from hub_ingest.fleet.enrol import Enrolment, enrol, enrol_many
+from hub_ingest.fleet.provision import mirror_name, provision
+from hub_ingest.fleet.registry import Device as Registered
+from hub_ingest.fleet.registry import Registry
+from hub_ingest.fleet.watch import device_incarnations, record
+from hub_ingest.local.fleet import free_port, start_local_hub
+from hub_ingest.report.collect import collect_report
 from tests.support.cluster import NATS_SERVER, Hub, start_hub
 from tests.support.hubcluster import ClusterHub, start_cluster_hub
 

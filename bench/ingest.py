@@ -35,7 +35,7 @@ import structlog
 from nats.js import JetStreamContext
 
 from edge_agent.protocol.logs import configure_logging
-from hub_ingest.job import ingest, spark_session
+from hub_ingest.ingest.job import ingest, spark_session
 from tests.support.cluster import Hub, start_hub
 from tests.support.waiting import eventually
 

@@ -2,7 +2,7 @@
 
 A device's hub mirror is made to skip readings the way nats-server does (the island
 consumer's floor moved past them while the link is cut; `tests/test_refill.py`), over a
-shaped link (100 ms round trip, 2 Mbit/s each way by default; `hub_ingest.locallink.Shape`):
+shaped link (100 ms round trip, 2 Mbit/s each way by default; `hub_ingest.local.link.Shape`):
 
 - **throughput**: `--readings` readings skipped at once (the mirror skips them when the
   next reading arrives); the time from the link's return until the aggregate holds them
@@ -36,8 +36,8 @@ from bench.slow_link import reading
 from edge_agent.protocol.logs import configure_logging
 from edge_agent.protocol.names import hub_consumer
 from edge_agent.streams import incarnations
-from hub_ingest.locallink import Shape
-from hub_ingest.refill import REFILL_HEADER
+from hub_ingest.fleet.gaps import REFILL_HEADER
+from hub_ingest.local.link import Shape
 from tests.support.cluster import Device, Hub, mirror_live, start_hub
 from tests.support.scan import scan
 from tests.support.waiting import RESUME_TIMEOUT, eventually

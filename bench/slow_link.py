@@ -2,7 +2,7 @@
 
 A device fills while its link is cut (default 50k readings of ~200-byte JSON); the link then
 comes back as an LTE-like link (100 ms round trip, 2 Mbit/s each way, optional segment loss;
-`hub_ingest.locallink.Shape`) and the time until the hub has every reading is measured. The
+`hub_ingest.local.link.Shape`) and the time until the hub has every reading is measured. The
 first run has leaf compression off (the baseline), the second nats-server's ``s2_auto``; each
 uses a fresh hub and device. Midway through each drain a command is sent: it must start
 (its result in the island's ``EVENTS``) within seconds, not after the backlog.
@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from edge_agent.protocol.envelope import new_envelope
 from edge_agent.protocol.logs import configure_logging
-from hub_ingest.commands import send
-from hub_ingest.locallink import Shape
+from hub_ingest.commands.send import send
+from hub_ingest.local.link import Shape
 from tests.support.cluster import Device, Hub, mirror_live, start_hub
 from tests.support.commands import results
 from tests.support.waiting import RESUME_TIMEOUT, eventually

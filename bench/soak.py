@@ -8,7 +8,7 @@ Each kind is the test suite's own run (`tests.chaos`), here for several seeds ba
 
 Every acknowledged reading must reach the hub once (the power-cut run: the archive too), no
 command may run twice, and ``refilled`` counts the readings the hub's mirrors skipped and
-the refill (`hub_ingest.refill`) read again from the islands.
+the refill (`hub_ingest.fleet.refill`) read again from the islands.
 
     .venv/bin/python bench/soak.py                 # one seed of each kind
     .venv/bin/python bench/soak.py --runs 15       # five seeds of each

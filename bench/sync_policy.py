@@ -39,7 +39,7 @@ from edge_agent.outbox import Drainer, Outbox
 from edge_agent.protocol.natsserver import ServerProcess
 from edge_agent.protocol.tomlconf import render_sync, sync_policy
 from edge_agent.statedb import StateDB
-from hub_ingest.localfleet import free_port
+from hub_ingest.local.fleet import free_port
 
 BASELINE = "2m"  # nats-server's default sync_interval
 

@@ -26,8 +26,8 @@ import pyarrow.parquet as pq
 from deltalake import CommitProperties, DeltaTable, Transaction
 from deltalake.transaction import AddAction
 
-from hub_ingest import table
-from hub_ingest.config import parse_hub_config
+from hub_ingest.archive import table
+from hub_ingest.core.config import parse_hub_config
 from tests.support import archives
 
 STATE = Path("bench-state/table_commit")

@@ -7,7 +7,7 @@ command mirror brings back those after the hub's consumer position, and fast res
 command until it knows its *fence*: commands at or below it in ``CMD_<id>`` are answered
 ``rejected`` ("issued before this incarnation, not run") and never run.
 
-- The hub sets the fence of each incarnation when it first sees it (`hub_ingest.incarnations`):
+- The hub sets the fence of each incarnation when it first sees it (`hub_ingest.fleet.watch`):
   0 for a device's first incarnation (a new device runs what was queued for it), else the
   last ``CMD_<id>`` sequence at that moment. It writes it into ``CMD_<id>``'s metadata
   (``fence.<incarnation>``), which the agent reads while the link is up.

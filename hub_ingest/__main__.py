@@ -10,6 +10,6 @@ if not __package__:
     here = os.path.dirname(os.path.realpath(__file__))
     sys.path[:] = [p for p in sys.path if os.path.realpath(p or ".") != here]
 
-from hub_ingest.cli import main
+from hub_ingest.cli.main import main
 
 sys.exit(main())

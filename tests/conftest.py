@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from pyspark.sql import SparkSession
 
-from hub_ingest.job import spark_session
+from hub_ingest.ingest.job import spark_session
 from tests.support.certs import Authority
 from tests.support.cluster import Hub, start_hub
 from tests.support.hubcluster import ClusterHub, start_cluster_hub

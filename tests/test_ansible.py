@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 import edge_agent
-from hub_ingest.localfleet import write_hub_toml
+from hub_ingest.local.fleet import write_hub_toml
 from tests.support.ansible import ANSIBLE, BIN, playbook, recap
 from tests.support.certs import Authority
 from tests.support.cluster import Hub, free_port

@@ -29,7 +29,7 @@ import pytest
 
 import edge_agent
 from edge_agent.protocol.monitor import Monitor
-from hub_ingest.localfleet import free_port
+from hub_ingest.local.fleet import free_port
 from tests.support.ansible import BIN, playbook, recap
 from tests.support.certs import Authority
 from tests.support.hubcluster import NODES, loopback_cluster_nodes

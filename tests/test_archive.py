@@ -19,13 +19,14 @@ from pathlib import Path
 import pytest
 from pyspark.sql import SparkSession
 
-from hub_ingest import failpoints, maintenance, table
-from hub_ingest.audit import audit_archive
-from hub_ingest.config import HubConfig, IngestConfig, load_hub_config, parse_hub_config
-from hub_ingest.durability import log_entries
-from hub_ingest.errors import ArchiveError
-from hub_ingest.localfleet import write_hub_toml
-from hub_ingest.sink import BATCH
+from hub_ingest.archive import maintenance, table
+from hub_ingest.archive.audit import audit_archive
+from hub_ingest.core import failpoints
+from hub_ingest.core.config import HubConfig, IngestConfig, load_hub_config, parse_hub_config
+from hub_ingest.core.errors import ArchiveError
+from hub_ingest.ingest.durability import log_entries
+from hub_ingest.ingest.sink import BATCH
+from hub_ingest.local.fleet import write_hub_toml
 from tests.support import archives
 from tests.support.cluster import Device, Hub, run_cli
 from tests.support.ingest import aggregate_has, ingest_config, run_once

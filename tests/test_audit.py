@@ -12,10 +12,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from hub_ingest import table
-from hub_ingest.audit import Gap, audit_archive
-from hub_ingest.config import IngestConfig, parse_hub_config
-from hub_ingest.localfleet import write_hub_toml
+from hub_ingest.archive import table
+from hub_ingest.archive.audit import Gap, audit_archive
+from hub_ingest.core.config import IngestConfig, parse_hub_config
+from hub_ingest.local.fleet import write_hub_toml
 from tests.support.cluster import Hub, run_cli
 
 DAY = datetime.date(2026, 11, 20)

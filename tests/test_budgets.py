@@ -12,8 +12,8 @@ from typing import Any
 
 from edge_agent.health import collect_status
 from edge_agent.outbox import Outbox
-from hub_ingest.registry import Registry
-from hub_ingest.report import collect_report
+from hub_ingest.fleet.registry import Registry
+from hub_ingest.report.collect import collect_report
 from tests.support.cluster import Hub, run_cli, write_agent_config
 from tests.support.waiting import RESUME_TIMEOUT, eventually
 

@@ -18,7 +18,7 @@ import pytest
 from pyspark.sql import SparkSession
 
 from edge_agent.health import collect_status
-from hub_ingest.commands import Envelope
+from hub_ingest.commands.send import Envelope
 from tests.support.agent_process import AgentProcess
 from tests.support.cluster import Device, Hub, write_agent_config
 from tests.support.commands import results, send_command

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from hub_ingest.auth import sync_users
-from hub_ingest.provision import provision, stream_names
-from hub_ingest.registry import Device, Registry
+from hub_ingest.fleet.auth import sync_users
+from hub_ingest.fleet.provision import provision, stream_names
+from hub_ingest.fleet.registry import Device, Registry
 from tests.chaos.runner import Chaos, Outcome
 from tests.chaos.schedule import Action
 from tests.support.hubcluster import ClusterHub, start_cluster_hub

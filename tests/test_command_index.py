@@ -8,7 +8,7 @@ from dataclasses import asdict
 
 from nats.js.api import AckPolicy, ConsumerConfig
 
-from hub_ingest.command_index import (
+from hub_ingest.commands.index import (
     RESULT_FILTER,
     CommandIndex,
     Tally,
@@ -16,8 +16,8 @@ from hub_ingest.command_index import (
     _Parsed,
     read_range,
 )
-from hub_ingest.registry import Registry
-from hub_ingest.report import collect_report
+from hub_ingest.fleet.registry import Registry
+from hub_ingest.report.collect import collect_report
 from tests.support.cluster import Hub
 from tests.support.commands import send_command
 from tests.support.waiting import eventually

@@ -12,7 +12,7 @@ from typing import Any
 
 from edge_agent.handlers import HandlerContext, builtin_handlers
 from edge_agent.health import collect_status
-from hub_ingest.localfleet import write_hub_toml
+from hub_ingest.local.fleet import write_hub_toml
 from tests.support.cluster import (
     Device,
     Hub,

@@ -12,8 +12,8 @@ import pytest
 
 from edge_agent.protocol.errors import MonitorUnavailable
 from edge_agent.protocol.monitor import Monitor
-from hub_ingest.auth import new_seed
-from hub_ingest.localfleet import write_hub_toml
+from hub_ingest.fleet.auth import new_seed
+from hub_ingest.local.fleet import write_hub_toml
 from tests.support.cluster import NATS_SERVER, Hub, free_port, run_cli
 
 

@@ -9,7 +9,7 @@ import pytest
 from pyspark.sql import SparkSession
 from pyspark.sql.types import StructType
 
-from hub_ingest.ddl import DdlError, check_ddl
+from hub_ingest.core.ddl import DdlError, check_ddl
 from tests.support.cluster import run_cli
 
 pytestmark = pytest.mark.spark

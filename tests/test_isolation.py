@@ -21,9 +21,9 @@ from nats.js.errors import NotFoundError, ServiceUnavailableError
 from edge_agent.island import read_seed
 from edge_agent.protocol.names import inbox_prefix
 from edge_agent.protocol.natsserver import ServerProcess
-from hub_ingest.commands import command_status
-from hub_ingest.registry import Registry
-from hub_ingest.report import collect_report
+from hub_ingest.commands.send import command_status
+from hub_ingest.fleet.registry import Registry
+from hub_ingest.report.collect import collect_report
 from tests.support.cluster import Device, Hub, free_port, stream_messages
 from tests.support.commands import send_command
 from tests.support.waiting import RESUME_TIMEOUT, eventually

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 from pyspark.sql import SparkSession
 
-from hub_ingest.audit import audit_archive
-from hub_ingest.durability import MARKER
-from hub_ingest.job import _translate
-from hub_ingest.localfleet import write_hub_toml
+from hub_ingest.archive.audit import audit_archive
+from hub_ingest.ingest.durability import MARKER
+from hub_ingest.ingest.job import _translate
+from hub_ingest.local.fleet import write_hub_toml
 from tests.support.cluster import Hub
 from tests.support.ingest import aggregate_has, ingest_config, row_count, run_once, telemetry
 from tests.support.waiting import RESUME_TIMEOUT, eventually
@@ -140,7 +140,7 @@ def test_a_failed_query_is_one_line_with_its_cause() -> None:
         [
             "[STREAM_FAILED] Query [id = 1] terminated with exception: Failed when Python "
             "streaming data source perform latestOffset: Traceback (most recent call last):",
-            '  File "/x/hub_ingest/source.py", line 260, in _connect',
+            '  File "/x/hub_ingest/ingest/source.py", line 260, in _connect',
             "    await nc.connect(",
             "nats.errors.NoServersError: nats: no servers available",
             "\tat org.apache.spark.sql.execution.python.PythonStreamingSourceRunner.fail(x)",

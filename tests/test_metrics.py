@@ -9,7 +9,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from hub_ingest.localfleet import write_hub_toml
+from hub_ingest.local.fleet import write_hub_toml
 from tests.support.cluster import Hub, run_cli, write_agent_config
 from tests.support.waiting import RESUME_TIMEOUT, eventually
 

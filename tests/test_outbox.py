@@ -23,8 +23,8 @@ from edge_agent.outbox import Drainer, Outbox
 from edge_agent.protocol.envelope import Result
 from edge_agent.protocol.natsserver import ServerProcess
 from edge_agent.statedb import StateDB
-from hub_ingest.registry import Registry
-from hub_ingest.report import collect_report
+from hub_ingest.fleet.registry import Registry
+from hub_ingest.report.collect import collect_report
 from tests.support.cluster import Hub, free_port, run_cli, stream_messages
 from tests.support.commands import results, send_command
 from tests.support.waiting import eventually

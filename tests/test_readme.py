@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from pyspark.sql import SparkSession
 
-from hub_ingest.config import parse_hub_config
+from hub_ingest.core.config import parse_hub_config
 from tests.support import archives
 
 README = Path(__file__).parent.parent / "README.md"

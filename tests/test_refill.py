@@ -1,5 +1,5 @@
 """Gaps heal themselves: what a hub mirror skipped is refilled from the island, once, and what
-the island no longer holds is counted lost with its reason (`hub_ingest.refill`)."""
+the island no longer holds is counted lost with its reason (`hub_ingest.fleet.refill`)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,11 @@ from pyspark.sql import SparkSession
 
 from edge_agent.protocol.names import hub_consumer
 from edge_agent.streams import incarnations
-from hub_ingest.audit import Gap, audit_archive, missing_range
-from hub_ingest.refill import REFILL_HEADER, MirrorGaps, healed, read_gaps
-from hub_ingest.registry import Registry
-from hub_ingest.report import SourceState, collect_report, hub_gaps
+from hub_ingest.archive.audit import Gap, audit_archive, missing_range
+from hub_ingest.fleet.gaps import REFILL_HEADER, MirrorGaps, healed, read_gaps
+from hub_ingest.fleet.registry import Registry
+from hub_ingest.report.collect import collect_report, hub_gaps
+from hub_ingest.report.model import SourceState
 from tests.support.cluster import Device, Hub
 from tests.support.hubcluster import ClusterHub
 from tests.support.ingest import ingest_config, run_once, telemetry

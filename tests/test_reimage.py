@@ -17,11 +17,11 @@ from pyspark.sql import SparkSession
 
 from edge_agent.health import collect_status
 from edge_agent.protocol.names import ISLAND_CONSUMER, command_stream
-from hub_ingest.audit import audit_archive
-from hub_ingest.commands import command_status
-from hub_ingest.localfleet import write_hub_toml
-from hub_ingest.registry import Registry
-from hub_ingest.report import collect_report
+from hub_ingest.archive.audit import audit_archive
+from hub_ingest.commands.send import command_status
+from hub_ingest.fleet.registry import Registry
+from hub_ingest.local.fleet import write_hub_toml
+from hub_ingest.report.collect import collect_report
 from tests.support.cluster import Device, Hub, start_hub, stream_messages
 from tests.support.commands import counter_program, runs, send_command
 from tests.support.ingest import ingest_config, run_once, telemetry

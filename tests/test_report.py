@@ -16,19 +16,18 @@ from nats.js.api import RawStreamMsg
 
 from edge_agent.protocol.envelope import supersedes
 from edge_agent.protocol.units import parse_time
-from hub_ingest.commands import command_status
-from hub_ingest.localfleet import stream_messages, write_hub_toml
-from hub_ingest.registry import Registry
-from hub_ingest.report import (
+from hub_ingest.cli.report import render_table
+from hub_ingest.commands.send import command_status
+from hub_ingest.fleet.registry import Registry
+from hub_ingest.local.fleet import stream_messages, write_hub_toml
+from hub_ingest.report.collect import collect_report, hub_gaps
+from hub_ingest.report.model import (
     CommandCounts,
     CommandError,
     DeviceReport,
     FleetReport,
     SourceState,
-    collect_report,
-    hub_gaps,
 )
-from hub_ingest.report_cli import render_table
 from tests.support.cluster import Hub
 from tests.support.commands import send_command
 from tests.support.waiting import eventually

@@ -11,15 +11,15 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from hub_ingest.localfleet import write_hub_toml
-from hub_ingest.report import (
+from hub_ingest.local.fleet import write_hub_toml
+from hub_ingest.report.html import render_html
+from hub_ingest.report.model import (
     CommandCounts,
     CommandError,
     DeviceReport,
     FleetReport,
     SourceState,
 )
-from hub_ingest.report_html import render_html
 from tests.support.cluster import Hub, run_cli
 from tests.support.waiting import eventually
 

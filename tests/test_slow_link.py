@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from bench.slow_link import LTE, drain
-from hub_ingest.locallink import Shape
+from hub_ingest.local.link import Shape
 
 
 async def test_backlog_crosses_a_lossy_cut_link_once_and_commands_overtake_it(

@@ -11,9 +11,9 @@ from nats.js.api import StreamConfig, StreamSource, SubjectTransform
 from pyspark.sql import SparkSession
 from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows
 
-from hub_ingest.audit import Gap, audit_archive
-from hub_ingest.errors import ConfigError, DataLossError
-from hub_ingest.source import JetStreamReader, SeqRange, SourceOptions
+from hub_ingest.archive.audit import Gap, audit_archive
+from hub_ingest.core.errors import ConfigError, DataLossError
+from hub_ingest.ingest.source import JetStreamReader, SeqRange, SourceOptions
 from tests.support.cluster import Hub
 from tests.support.ingest import aggregate_has, ingest_config, run_once, telemetry
 from tests.support.waiting import RESUME_TIMEOUT, eventually

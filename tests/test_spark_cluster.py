@@ -16,11 +16,12 @@ from pathlib import Path
 import pytest
 
 import hub_ingest
-from hub_ingest import failpoints, table
-from hub_ingest.audit import audit_archive, backlog
-from hub_ingest.config import HubConfig
-from hub_ingest.localfleet import write_hub_toml
-from hub_ingest.provision import aggregate_stream_names
+from hub_ingest.archive import table
+from hub_ingest.archive.audit import audit_archive, backlog
+from hub_ingest.core import failpoints
+from hub_ingest.core.config import HubConfig
+from hub_ingest.fleet.provision import aggregate_stream_names
+from hub_ingest.local.fleet import write_hub_toml
 from tests.support.cluster import Device, Hub, start_hub
 from tests.support.ingest import ingest_config
 from tests.support.sparkcluster import SPARK_HOME, AppEvents, DriverRun, SparkCluster, spark_cluster

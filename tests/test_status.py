@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from hub_ingest.registry import Registry
-from hub_ingest.report import collect_report
+from hub_ingest.fleet.registry import Registry
+from hub_ingest.report.collect import collect_report
 from tests.support.cluster import Hub, run_cli, write_agent_config
 from tests.support.waiting import RESUME_TIMEOUT, eventually
 

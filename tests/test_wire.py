@@ -1,4 +1,4 @@
-"""The wire reader leans on nats-py internals (hub_ingest/wire.py): fail loudly, naming what
+"""The wire reader leans on nats-py internals (hub_ingest/ingest/wire.py): fail loudly, naming what
 moved, the day a nats-py release changes them."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ from importlib.metadata import version
 from nats.aio.client import Client
 from nats.protocol import parser
 
-from hub_ingest.wire import FrameClient, FrameParser
+from hub_ingest.ingest.wire import FrameClient, FrameParser
 
 
 def test_nats_py_is_the_tested_minor() -> None:
-    assert version("nats-py").startswith("2.16."), "re-test hub_ingest/wire.py, then re-pin"
+    assert version("nats-py").startswith("2.16."), "re-test hub_ingest/ingest/wire.py, then re-pin"
 
 
 def test_the_internals_the_wire_reader_uses_are_there() -> None:

@@ -31,8 +31,8 @@ import sys
 import time
 from pathlib import Path
 
-from hub_ingest import table as archive_table
-from hub_ingest.localfleet import Child, write_hub_toml
+from hub_ingest.archive import table as archive_table
+from hub_ingest.local.fleet import Child, write_hub_toml
 from tests.chaos.runner import MARKER, Chaos, Node, Outcome
 from tests.support.cluster import Hub, start_hub, write_agent_config
 from tests.support.powerfs import PowerCut

@@ -30,10 +30,11 @@ from edge_agent.health import collect_status
 from edge_agent.island import pid_file
 from edge_agent.protocol.names import TELEMETRY, hub_consumer
 from edge_agent.streams import incarnations
-from hub_ingest.commands import Envelope, new_envelope, send
-from hub_ingest.refill import REFILL_HEADER
-from hub_ingest.registry import Registry
-from hub_ingest.report import HubApi, collect_report
+from hub_ingest.commands.send import Envelope, new_envelope, send
+from hub_ingest.fleet.gaps import REFILL_HEADER
+from hub_ingest.fleet.registry import Registry
+from hub_ingest.report.collect import collect_report
+from hub_ingest.report.hub import HubApi
 from tests.chaos.schedule import Action, draw_schedule
 from tests.support.agent_process import AgentProcess
 from tests.support.cluster import Device, Hub, write_agent_config

@@ -9,8 +9,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from hub_ingest import table
-from hub_ingest.config import IngestConfig
+from hub_ingest.archive import table
+from hub_ingest.core.config import IngestConfig
 
 START = datetime(2026, 11, 20, 9, 0, tzinfo=UTC)
 

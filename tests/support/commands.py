@@ -9,7 +9,7 @@ from typing import Any
 
 from nats.js import JetStreamContext
 
-from hub_ingest.commands import Envelope, new_envelope, send
+from hub_ingest.commands.send import Envelope, new_envelope, send
 from tests.support.cluster import Hub, stream_messages
 
 # Appends a line to argv[1], then sleeps argv[2] seconds: a handler whose runs can be counted

@@ -18,12 +18,12 @@ import nats
 from edge_agent.protocol.files import write_durably
 from edge_agent.protocol.monitor import Monitor
 from edge_agent.protocol.natsserver import ServerProcess
-from hub_ingest.auth import write_auth
-from hub_ingest.config import HubConfig, parse_hub_config
-from hub_ingest.incarnations import watch
-from hub_ingest.localfleet import free_port
-from hub_ingest.provision import provision, stream_names
-from hub_ingest.server import render_server_config
+from hub_ingest.core.config import HubConfig, parse_hub_config
+from hub_ingest.fleet.auth import write_auth
+from hub_ingest.fleet.provision import provision, stream_names
+from hub_ingest.fleet.server import render_server_config
+from hub_ingest.fleet.watch import watch
+from hub_ingest.local.fleet import free_port
 from tests.support.cluster import Hub, _quiet
 from tests.support.waiting import eventually
 

@@ -9,9 +9,9 @@ from typing import Any
 import pyarrow as pa
 from pyspark.sql import SparkSession
 
-from hub_ingest import table
-from hub_ingest.config import HubConfig
-from hub_ingest.job import IngestSummary, ingest
+from hub_ingest.archive import table
+from hub_ingest.core.config import HubConfig
+from hub_ingest.ingest.job import IngestSummary, ingest
 from tests.support.cluster import Hub
 
 

@@ -9,7 +9,7 @@ import polars as pl
 from pyiceberg.table import Table
 from pyspark.sql import SparkSession
 
-from hub_ingest import table
+from hub_ingest.archive import table
 
 KEY = ("device_id", "hub_stream", "device_seq")
 Key = tuple[str, str, int]

@@ -25,7 +25,7 @@ from typing import Any
 import pyspark
 
 from edge_agent.protocol.monitor import Monitor
-from hub_ingest.localfleet import free_port
+from hub_ingest.local.fleet import free_port
 from tests.support.waiting import eventually
 
 SPARK_HOME = Path(pyspark.__file__).parent

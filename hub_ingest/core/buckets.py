@@ -1,0 +1,46 @@
+"""The hub's key-value buckets (the registry, the command index, the gaps) as the server
+stores them: one definition of their names and of how each is made."""
+
+from __future__ import annotations
+
+from nats.js import JetStreamContext
+from nats.js.api import KeyValueConfig, StorageType
+from nats.js.errors import BucketNotFoundError
+from nats.js.kv import KeyValue
+
+COMMAND_INDEX = "FLEET_COMMAND_INDEX"  # hub_ingest.commands.index
+GAPS = "FLEET_GAPS"  # hub_ingest.fleet.refill
+
+
+async def open_bucket(
+    js: JetStreamContext, bucket: str, *, replicas: int = 1, direct: bool = False
+) -> KeyValue:
+    """`bucket` (one value per key, on disk), made with `replicas` if missing."""
+    try:
+        return await js.key_value(bucket)
+    except BucketNotFoundError:
+        return await js.create_key_value(
+            KeyValueConfig(
+                bucket=bucket,
+                history=1,
+                storage=StorageType.FILE,
+                direct=direct,
+                replicas=replicas,
+            )
+        )
+
+
+def bucket_stream(bucket: str) -> str:
+    """The stream that holds `bucket`."""
+    return f"KV_{bucket}"
+
+
+async def bucket_keys(js: JetStreamContext, bucket: str, pattern: str = ">") -> list[str]:
+    """The keys of `bucket` matching `pattern`, sorted, from the server's own count of the
+    bucket's subjects. A key deleted or purged keeps its subject for the marker, so a caller
+    that reads the values skips those. nats-py's ``keys()`` and ``watch()`` are watchers that
+    can say they are done before delivering every key (a short listing under load) or
+    deliver one twice on a cluster."""
+    prefix = f"$KV.{bucket}."
+    info = await js.stream_info(bucket_stream(bucket), subjects_filter=prefix + pattern)
+    return [subject.removeprefix(prefix) for subject in sorted(info.state.subjects or {})]

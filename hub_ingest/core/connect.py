@@ -1,0 +1,55 @@
+"""Connections from the hub tools to the hub's nats-server."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import nats
+import structlog
+from nats.aio.client import Client
+
+from hub_ingest.core.config import HubConfig
+from hub_ingest.core.errors import HubUnreachableError
+
+log = structlog.get_logger(__name__)
+
+_CONNECT_ATTEMPTS = 3  # per server, before a hub that refuses us or is not there is an error
+
+
+@asynccontextmanager
+async def hub_connection(config: HubConfig, name: str = "hub-ingest") -> AsyncIterator[Client]:
+    """A connection to the hub that is drained on exit.
+
+    The first connection gives up after a few attempts, so a wrong key or a hub that is down
+    is an error rather than a hang; once connected, it reconnects for as long as an outage
+    lasts (nats-py would give up after about two minutes).
+    """
+    failures: list[Exception] = []
+
+    async def failed(exc: Exception) -> None:
+        failures.append(exc)
+        log.warning("hub_connection_error", error=str(exc) or type(exc).__name__)
+
+    try:
+        nc = await nats.connect(
+            list(config.nats.servers),
+            name=name,
+            nkeys_seed=str(config.nats.credentials),
+            connect_timeout=5,
+            max_reconnect_attempts=_CONNECT_ATTEMPTS,
+            error_cb=failed,
+        )
+    except nats.errors.NoServersError:
+        # The server's own refusal says more than the reset that follows it.
+        refusals = [exc for exc in failures if isinstance(exc, nats.errors.Error)]
+        cause = str((refusals or failures)[-1]) if failures else "no server answered"
+        raise HubUnreachableError(
+            f"cannot connect to the hub at {', '.join(config.nats.servers)}: {cause} "
+            f"(signing in with nats.credentials = {config.nats.credentials})"
+        ) from None
+    nc.options["max_reconnect_attempts"] = -1  # from now on, outlast any outage
+    try:
+        yield nc
+    finally:
+        await nc.drain()

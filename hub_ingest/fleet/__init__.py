@@ -1,0 +1,7 @@
+"""The fleet's control plane: the device registry (`registry`), device keys and the
+users file (`auth`), enrolment (`enrol`), the hub's streams and device mirrors
+(`provision`), the hub's nats-server config (`server`), and the watcher service (`watch`)
+with the gap refill it runs (`refill`).
+
+Imports: `core`, `edge_agent.protocol`.
+"""

@@ -1,0 +1,163 @@
+"""Where a hub mirror's rows are in its aggregate: direct gets filtered on the device's
+subjects, each row's origin read from its headers. A mirror's rows reach the aggregate in
+order (refilled rows, which carry `Edge-Refill-Of`, come later and out of order), so a binary
+search over the aggregate's sequences finds where a range of the mirror is or would be.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import dataclass
+
+import nats.errors
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+
+from hub_ingest.fleet.gaps import REFILL_HEADER, Target, to_ranges
+
+_BATCH = 256  # rows per direct get from the hub's own aggregate
+
+
+async def in_aggregate(
+    js: JetStreamContext, nc: Client, api: str, target: Target, todo: list[int]
+) -> set[int]:
+    """Which of `todo` the aggregate holds already, sourced from the mirror before it lost
+    them."""
+    held: set[int] = set()
+    for span in to_ranges(todo):
+        held |= await _in_aggregate_range(js, nc, api, target, span)
+    return held
+
+
+async def _in_aggregate_range(
+    js: JetStreamContext, nc: Client, api: str, target: Target, span: tuple[int, int]
+) -> set[int]:
+    """The sequences of the mirror in `span` the aggregate holds. The device's rows in
+    the aggregate are in device order, so a binary search on the aggregate's sequences finds
+    where the range would be, and a short read forward says."""
+    lo_seq, hi_seq = span
+    filter_subject = f"fleet.{target.device.device_id}.>"
+
+    async def device_seq_at(agg_seq: int) -> tuple[int, int] | None:
+        """(aggregate seq, device seq) of the mirror's first row at or after `agg_seq`."""
+        for msg in await _direct(
+            nc, api, target.aggregate, agg_seq, subject=filter_subject, batch=64
+        ):
+            origin = _source(msg)
+            if origin is not None and origin[0] == target.mirror:
+                return msg.seq, origin[1]
+        return None
+
+    info = await js.stream_info(target.aggregate)
+    low, high = info.state.first_seq, info.state.last_seq + 1
+    while low < high:  # the first aggregate seq whose mirror row has device seq >= lo_seq
+        mid = (low + high) // 2
+        found = await device_seq_at(mid)
+        if found is None or found[1] >= lo_seq:
+            high = mid
+        else:
+            low = found[0] + 1
+    held: set[int] = set()
+    seq = low
+    while seq <= info.state.last_seq:
+        msgs = await _direct(nc, api, target.aggregate, seq, subject=filter_subject, batch=_BATCH)
+        if not msgs:
+            break
+        for msg in msgs:
+            origin = _source(msg)
+            if origin is not None and origin[0] == target.mirror:
+                if origin[1] > hi_seq:
+                    return held
+                if origin[1] >= lo_seq:
+                    held.add(origin[1])
+        seq = msgs[-1].seq + 1
+    return held
+
+
+async def sourced_row(
+    nc: Client, api: str, target: Target, agg_seq: int, *, before: bool = False
+) -> int | None:
+    """The mirror sequence of the first row the aggregate sourced from `target`'s mirror at
+    or after aggregate sequence `agg_seq`; with `before`, of the last one before it (a binary
+    search: the mirror's rows are in order in the aggregate). Refilled rows, out of order,
+    are passed over."""
+    if not before:
+        found = await _next_sourced(nc, api, target, agg_seq, until=None)
+        return found[1] if found else None
+    low, high, best = 1, agg_seq - 1, None
+    while low <= high:
+        mid = (low + high) // 2
+        found = await _next_sourced(nc, api, target, mid, until=agg_seq)
+        if found is None:
+            high = mid - 1
+        else:
+            best, low = found[1], found[0] + 1
+    return best
+
+
+async def _next_sourced(
+    nc: Client, api: str, target: Target, agg_seq: int, *, until: int | None
+) -> tuple[int, int] | None:
+    """(aggregate seq, mirror seq) of the first row sourced from the mirror at or after
+    `agg_seq` (and before `until`)."""
+    seq = agg_seq
+    subject = f"fleet.{target.device.device_id}.>"
+    while msgs := await _direct(nc, api, target.aggregate, seq, subject=subject, batch=_BATCH):
+        for msg in msgs:
+            if until is not None and msg.seq >= until:
+                return None
+            raw = msg.headers.get("Nats-Stream-Source", "").split()
+            if len(raw) > 1 and raw[0].split(":", 1)[0] == target.mirror:
+                return msg.seq, int(raw[1])
+        seq = msgs[-1].seq + 1
+    return None
+
+
+async def sourced_all(nc: Client, api: str, target: Target) -> bool:
+    """Whether the aggregate has sourced everything the mirror holds (no lag)."""
+    reply = await nc.request(f"{api}.STREAM.INFO.{target.aggregate}", b"", timeout=10)
+    for source in json.loads(reply.data).get("sources") or []:
+        if source.get("name") == target.mirror:
+            return int(source.get("lag", 1)) == 0 and source.get("error") is None
+    return False
+
+
+@dataclass(frozen=True, slots=True)
+class _Stored:
+    seq: int
+    headers: dict[str, str]
+
+
+async def _direct(
+    nc: Client, api: str, stream: str, seq: int, *, subject: str, batch: int
+) -> list[_Stored]:
+    """Up to `batch` messages on `subject` from `seq` on (only their headers are used)."""
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox)
+    got: list[_Stored] = []
+    try:
+        request = {"seq": seq, "next_by_subj": subject, "batch": batch}
+        await nc.publish(
+            f"{api}.DIRECT.GET.{stream}",
+            json.dumps(request).encode(),
+            reply=inbox,
+        )
+        while True:
+            msg = await sub.next_msg(timeout=10)
+            headers = dict(msg.headers or {})
+            if "Status" in headers:
+                return got
+            got.append(_Stored(int(headers["Nats-Sequence"]), headers))
+    finally:
+        with contextlib.suppress(nats.errors.Error):
+            await sub.unsubscribe()
+
+
+def _source(msg: _Stored) -> tuple[str, int] | None:
+    """(mirror, device seq) a row of the aggregate came from; refilled rows say so."""
+    raw = msg.headers.get(REFILL_HEADER) or msg.headers.get("Nats-Stream-Source")
+    if not raw:
+        return None
+    fields = raw.split()
+    return fields[0].split(":", 1)[0], int(fields[1])

@@ -1,0 +1,191 @@
+"""Who may do what on the hub: one NKey per device, with permissions that name only its own.
+
+All devices and the operators share the hub account ``FLEET`` (so the hub's streams can
+mirror device streams and devices can mirror ``CMD_<id>``), and each device's leaf
+connection is held to subjects that carry its own id (docs/security.md has the threat model):
+
+- it may create consumers on, and direct-get from, ``CMD_<id>`` only: not ``COMMANDS``, not
+  another device's ``CMD_*``, not ``FLEET_*``;
+- it may publish nothing under ``cmd.>`` (nor any plain subject), only deliveries of the
+  hub's mirrors of its own streams (``hubin.<id>.>``) and replies to requests it was sent;
+- it receives only requests for its own JetStream domain, deliveries of its own mirror
+  (``devin.<id>.>``) and replies to its own requests (``_INBOX_<id>.>``).
+
+The hub stores public keys only; a device's seed is written once, mode 0600, for the device.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import nkeys
+from nats.js import JetStreamContext
+
+from edge_agent.protocol.errors import MonitorUnavailable
+from edge_agent.protocol.files import write_durably
+from edge_agent.protocol.monitor import Monitor
+from edge_agent.protocol.names import (
+    ISLAND_CONSUMER,
+    command_stream,
+    hub_reply_prefix,
+    inbox_prefix,
+    js_api,
+    to_device_prefix,
+    to_hub_prefix,
+)
+from hub_ingest.core.config import HubConfig, ServerConfig
+from hub_ingest.core.errors import HubIngestError, HubUnreachableError
+from hub_ingest.fleet.registry import Device, Registry
+
+ACCOUNT = "FLEET"
+
+
+def new_seed() -> str:
+    """A fresh NATS user seed (``SU...``)."""
+    seed: bytes = nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER)
+    return seed.decode()
+
+
+def public_key(seed: str) -> str:
+    key: bytes = nkeys.from_seed(bytearray(seed.encode())).public_key
+    return key.decode()
+
+
+def write_secret(path: Path, text: str) -> None:
+    """Write `text` to `path` readable by its owner only, never briefly wider, and durably
+    (the users file lost to a power cut would lock every device out)."""
+    write_durably(path, text + "\n", mode=0o600)
+
+
+def ensure_operator_key(config: HubConfig) -> str:
+    """The operators' public key, creating their seed file on first use."""
+    seed_file = config.nats.credentials
+    if not seed_file.exists():
+        write_secret(seed_file, new_seed())
+    return public_key(seed_file.read_text(encoding="utf-8").strip())
+
+
+def device_permissions(device: Device, hub_domain: str) -> dict[str, Any]:
+    api = js_api(hub_domain)
+    commands = command_stream(device.device_id)
+    return {
+        "publish": {
+            "allow": [
+                f"{api}.CONSUMER.CREATE.{commands}",
+                f"{api}.CONSUMER.CREATE.{commands}.>",
+                # The island's mirror restarts the consumer it is bound to after a cut.
+                f"{api}.CONSUMER.RESET.{commands}.{ISLAND_CONSUMER}",
+                f"{api}.DIRECT.GET.{commands}",
+                f"{api}.DIRECT.GET.{commands}.>",
+                f"{api}.STREAM.INFO.{commands}",
+                f"{to_hub_prefix(device.device_id)}.>",
+                f"{hub_reply_prefix(device.device_id)}.>",
+                # Flow control of mirrors and replies to mirror set-up carry no data.
+                "$JS.FC.>",
+                "$JSC.R.>",
+            ]
+        },
+        "subscribe": {
+            "allow": [
+                f"{js_api(device.domain)}.>",
+                f"{to_device_prefix(device.device_id)}.>",
+                f"{inbox_prefix(device.device_id)}.>",
+                "$JS.FC.>",
+                "$JSC.R.>",
+            ]
+        },
+        "allow_responses": True,
+    }
+
+
+def render_auth(operator_key: str, devices: Iterable[Device], hub_domain: str) -> str:
+    users: list[dict[str, Any]] = [{"nkey": operator_key}]
+    for device in devices:
+        users.append({"nkey": device.nkey, "permissions": device_permissions(device, hub_domain)})
+    lines = ",\n      ".join(json.dumps(user) for user in users)
+    return f"""\
+# Rendered by hub-ingest from the device registry; every `device add|remove` rewrites it.
+accounts {{
+  {ACCOUNT}: {{
+    jetstream: enabled
+    users: [
+      {lines}
+    ]
+  }}
+}}
+"""
+
+
+def write_auth(config: HubConfig, devices: Iterable[Device]) -> Path:
+    text = render_auth(ensure_operator_key(config), devices, config.nats.domain)
+    write_secret(config.server.auth_file, text.rstrip("\n"))
+    return config.server.auth_file
+
+
+async def sync_users(js: JetStreamContext, config: HubConfig) -> bool:
+    """Rewrite the users file from the registry and reload if it differs; True if it did."""
+    devices = await (await Registry.open(js)).list()
+    text = render_auth(ensure_operator_key(config), devices, config.nats.domain)
+    try:
+        current = config.server.auth_file.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        current = None
+    if current is not None and current.rstrip("\n") == text.rstrip("\n"):
+        return False
+    write_auth(config, devices)
+    await reload_server(config)
+    return True
+
+
+async def reload_server(config: HubConfig, timeout: float = 30.0) -> bool:
+    """Ask each hub server running on this machine (its pid file is here) to re-read its
+    config; False if none does. The other nodes of a cluster re-read theirs when their own
+    ``hub-ingest watch`` sees the registry change."""
+    if config.cluster is None:
+        return await _reload(config.server, "server.monitor_listen", timeout)
+    reloaded = [
+        await _reload(n.server, f"cluster.nodes[{n.name}].monitor_listen", timeout)
+        for n in config.cluster.nodes
+    ]
+    return any(reloaded)
+
+
+async def _reload(server: ServerConfig, key: str, timeout: float) -> bool:
+    """A reload under load can take well over 10 s (nats-server issue #4630; CI saw one miss a
+    10 s deadline), hence the generous `timeout`."""
+    try:
+        pid = int(server.pid_file.read_text().strip())
+    except (OSError, ValueError):
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False  # a node that is down reads the file when it starts
+    monitor = Monitor(f"http://{server.monitor_listen}")
+    try:
+        before = (await monitor.get("/varz")).get("config_load_time")
+        try:
+            os.kill(pid, signal.SIGHUP)
+        except ProcessLookupError:
+            return False
+        deadline = time.monotonic() + timeout
+        while (await monitor.get("/varz")).get("config_load_time") == before:
+            if time.monotonic() > deadline:
+                raise HubIngestError(
+                    f"hub nats-server {server.server_name} (pid {pid}) did not reload "
+                    f"within {timeout}s"
+                )
+            await asyncio.sleep(0.05)
+    except MonitorUnavailable as exc:
+        raise HubUnreachableError(
+            f"cannot reload the hub's nats-server {server.server_name} (pid {pid}): its "
+            f"monitoring endpoint {key} = {server.monitor_listen} does not answer ({exc})"
+        ) from None
+    return True

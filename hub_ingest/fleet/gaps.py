@@ -1,0 +1,175 @@
+"""The gaps' contract: what the refill (`fleet.refill`) records and delivers, read by
+provision, the ingest's columns, `report` and `audit`.
+
+- ``FLEET_REFILL``: one subject per ``(mirror, seq)``,
+  ``refill.<aggregate>.<mirror>.<seq>.<device>.<subject>``; each aggregate sources it with the
+  transform ``refill.<aggregate>.*.*.>`` → ``fleet.>``;
+- a refilled message's ``Edge-Refill-Of: <mirror> <device seq> <subject> <device store time>``
+  and ``Edge-Refill-Msg-Id`` (the app's ``Nats-Msg-Id``);
+- the ``FLEET_GAPS`` bucket: per mirror, a `MirrorGaps` record.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+
+import nats.js.errors
+from nats.js import JetStreamContext
+from nats.js.api import (
+    DiscardPolicy,
+    StorageType,
+    StreamConfig,
+    StreamSource,
+    SubjectTransform,
+)
+from nats.js.errors import BucketNotFoundError, KeyNotFoundError
+
+from hub_ingest.core.buckets import GAPS, bucket_keys
+from hub_ingest.core.config import HubConfig
+from hub_ingest.fleet.registry import Device, Incarnation
+
+REFILL_STREAM = "FLEET_REFILL"
+REFILL_HEADER = "Edge-Refill-Of"  # <mirror> <device seq> <subject> <device store time>
+MSG_ID_HEADER = "Edge-Refill-Msg-Id"
+BUCKET = GAPS
+LOST_REASONS = ("evicted", "reimaged", "deleted_on_device")
+
+
+def refill_stream(config: HubConfig) -> StreamConfig:
+    """``FLEET_REFILL``: refilled readings, one subject each, kept as long as the aggregates."""
+    return StreamConfig(
+        name=REFILL_STREAM,
+        subjects=["refill.>"],
+        storage=StorageType.FILE,
+        discard=DiscardPolicy.OLD,
+        duplicate_window=120.0,
+        max_bytes=config.aggregates.max_bytes,
+        max_age=config.aggregates.max_age,
+        allow_direct=True,
+        metadata={"managed-by": "hub-ingest"},
+        num_replicas=config.replicas,
+    )
+
+
+def refill_source(aggregate_stream: str) -> StreamSource:
+    """How an aggregate takes its refilled readings, under the subjects it gives all others."""
+    return StreamSource(
+        name=REFILL_STREAM,
+        subject_transforms=[
+            SubjectTransform(src=f"refill.{aggregate_stream}.*.*.>", dest="fleet.>")
+        ],
+    )
+
+
+def refill_subject(aggregate_stream: str, mirror: str, seq: int, device: str, subject: str) -> str:
+    return f"refill.{aggregate_stream}.{mirror}.{seq}.{device}.{subject}"
+
+
+Ranges = list[tuple[int, int]]
+
+
+def to_ranges(seqs: Iterable[int]) -> Ranges:
+    """Sorted sequences as inclusive ranges: [1, 2, 3, 7] → [(1, 3), (7, 7)]."""
+    out: Ranges = []
+    for seq in sorted(set(seqs)):
+        if out and seq == out[-1][1] + 1:
+            out[-1] = (out[-1][0], seq)
+        else:
+            out.append((seq, seq))
+    return out
+
+
+def expand(ranges: Iterable[tuple[int, int]]) -> set[int]:
+    return {seq for first, last in ranges for seq in range(first, last + 1)}
+
+
+@dataclass(frozen=True, slots=True)
+class MirrorGaps:
+    """What one hub mirror skipped, and what became of it (a value of ``FLEET_GAPS``)."""
+
+    mirror: str
+    device_id: str
+    incarnation: str
+    device_stream: str
+    refilled: int = 0  # readings read again from the island into FLEET_REFILL
+    kept: Ranges = field(default_factory=list)  # skipped by the mirror, kept by the aggregate
+    lost: dict[str, Ranges] = field(default_factory=dict)  # reason → ranges
+    pending: Ranges = field(default_factory=list)  # the island has not answered yet
+    pending_since: str | None = None  # hub time the oldest pending gap was first seen
+    checked_at: str = ""
+
+    @property
+    def in_aggregate(self) -> int:
+        return len(expand(self.kept))
+
+    def lost_counts(self) -> dict[str, int]:
+        return {reason: len(expand(r)) for reason, r in self.lost.items()}
+
+    @property
+    def pending_count(self) -> int:
+        return len(expand(self.pending))
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self)).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> MirrorGaps:
+        raw = json.loads(data)
+        raw["lost"] = {k: [tuple(r) for r in v] for k, v in raw.get("lost", {}).items()}
+        raw["pending"] = [tuple(r) for r in raw.get("pending", [])]
+        raw["kept"] = [tuple(r) for r in raw.get("kept", [])]
+        return cls(**raw)
+
+
+async def read_gaps(js: JetStreamContext) -> dict[str, MirrorGaps]:
+    """Every mirror's record, by mirror name ({} before the first gap)."""
+    try:
+        kv = await js.key_value(BUCKET)
+    except BucketNotFoundError:
+        return {}
+    found = {}
+    for key in await bucket_keys(js, BUCKET):
+        with contextlib.suppress(KeyNotFoundError):
+            entry = await kv.get(key)
+            if entry.value:
+                found[key] = MirrorGaps.from_json(entry.value)
+    return found
+
+
+@dataclass(frozen=True, slots=True)
+class Healed:
+    """What the hub refilled and counted lost of one incarnation of a device stream."""
+
+    refilled: frozenset[int]
+    lost: Mapping[str, Ranges]  # reason → ranges
+
+
+async def healed(js: JetStreamContext) -> dict[tuple[str, str, str], Healed]:
+    """(device, incarnation, device stream) → what the refill did, for `audit`."""
+    found = {}
+    for name, record in (await read_gaps(js)).items():
+        key = (record.device_id, record.incarnation, record.device_stream)
+        found[key] = Healed(frozenset(await refilled_seqs(js, name)), record.lost)
+    return found
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """A hub mirror and what it copies."""
+
+    mirror: str
+    device: Device
+    incarnation: Incarnation
+    aggregate: str  # the aggregate stream that sources it
+
+
+async def refilled_seqs(js: JetStreamContext, mirror: str) -> set[int]:
+    """The sequences of `mirror` that FLEET_REFILL holds."""
+    try:
+        info = await js.stream_info(REFILL_STREAM, subjects_filter=f"refill.*.{mirror}.*.>")
+    except nats.js.errors.NotFoundError:
+        return set()
+    return {int(subject.split(".")[3]) for subject in info.state.subjects or {}}

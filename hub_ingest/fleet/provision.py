@@ -1,0 +1,411 @@
+"""Idempotent creation of the hub's streams.
+
+- ``COMMANDS`` listens on ``cmd.>``; ``CMD_<id>`` sources each device's slice of it
+  (``cmd.<id>.>`` and ``cmd.all.>``) from the device's enrolment on, and the device mirrors
+  ``CMD_<id>``.
+- ``EDGE_TELEMETRY_<id>_<incarnation>`` and ``EDGE_EVENTS_<id>_<incarnation>`` *mirror* each
+  incarnation of a device's ``TELEMETRY`` / ``EVENTS`` through ``$JS.<device-domain>.API``,
+  bound to the durable consumer the device made for that incarnation: the only hop over the
+  link. A mirror keeps the device's sequence numbers and store times exactly (a source would
+  stamp the hub's arrival time), so the ingest reads ``device_time`` from it. A re-imaged
+  device starts new incarnations at sequence 1; each gets its own mirror, and the old ones keep
+  what they had (see `hub_ingest.fleet.watch`, which notices new incarnations).
+- ``FLEET_TELEMETRY`` and ``FLEET_EVENTS`` (then ``_2``, ``_3``… once a shard is full)
+  *source* those hub-side mirrors. A subject transform puts the device id in the subject
+  (``tele.>`` on device d becomes ``fleet.d.tele.>``) and the ``Nats-Stream-Source`` header
+  carries the mirror's sequence, which is the device's. Aggregate streams have no subjects
+  of their own: listening on a subject devices publish would store every message twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+from nats.js import JetStreamContext
+from nats.js.api import (
+    ConsumerConfig,
+    DiscardPolicy,
+    ExternalStream,
+    StorageType,
+    StreamConfig,
+    StreamConsumerSource,
+    StreamSource,
+    SubjectTransform,
+)
+from nats.js.errors import APIError
+
+from edge_agent.protocol.errors import StreamError
+from edge_agent.protocol.names import (
+    HUB_COMMANDS,
+    ISLAND_CONSUMER,
+    command_filters,
+    command_stream,
+    fence_key,
+    hub_consumer,
+    hub_deliver_subject,
+    island_deliver_subject,
+)
+from edge_agent.protocol.reconcile import Reconciled, mirror_consumer, reconcile_stream
+from edge_agent.protocol.units import parse_time
+from hub_ingest.core.buckets import COMMAND_INDEX, GAPS, bucket_stream, open_bucket
+from hub_ingest.core.config import HubConfig
+from hub_ingest.core.errors import ProvisionError
+from hub_ingest.fleet.gaps import REFILL_STREAM, Target, refill_source, refill_stream
+from hub_ingest.fleet.registry import BUCKET, Device, Incarnation, Registry
+
+log = structlog.get_logger(__name__)
+
+MANAGED_BY = {"managed-by": "hub-ingest"}
+# Subjects the fleet's streams carry (devices' `tele.>` and `evt.>`, the aggregates' `fleet.>`,
+# commands) and the deliveries of mirrors across the link (`naming.to_hub_prefix`,
+# `to_device_prefix`). Another stream listening on any of them would store fleet messages a
+# second time, or take them from the streams that should have them.
+_ROUNDS = 5  # of provisioning, while the registry changes under it
+REGISTRY_STREAM = bucket_stream(BUCKET)
+INDEX_STREAM = bucket_stream(COMMAND_INDEX)
+GAPS_STREAM = bucket_stream(GAPS)
+FLEET_SUBJECTS = ("cmd.>", "fleet.>", "tele.>", "evt.>", "hubin.>", "devin.>", "refill.>")
+
+
+@dataclass(frozen=True, slots=True)
+class Aggregate:
+    """One kind of device stream and the hub streams that collect it."""
+
+    base_name: str  # FLEET_TELEMETRY
+    device_stream: str  # TELEMETRY
+    prefix: str  # tele
+
+    def stream_name(self, shard: int) -> str:
+        return self.base_name if shard == 0 else f"{self.base_name}_{shard + 1}"
+
+    def subject_prefix(self, device_id: str) -> str:
+        return f"fleet.{device_id}.{self.prefix}"
+
+
+def mirror_name(device_id: str, incarnation: Incarnation) -> str:
+    """The hub's mirror of one incarnation of a device stream (``EDGE_TELEMETRY_a_<id>``)."""
+    return f"EDGE_{incarnation.stream}_{device_id}_{incarnation.id}"
+
+
+def mirror_metadata(device_id: str, incarnation: Incarnation) -> dict[str, str]:
+    """What a mirror says about its rows; the ingest reads the incarnation from here."""
+    return {
+        **MANAGED_BY,
+        "device-id": device_id,
+        "device-stream": incarnation.stream,
+        "incarnation": incarnation.id,
+    }
+
+
+AGGREGATES = (
+    Aggregate("FLEET_TELEMETRY", "TELEMETRY", "tele"),
+    Aggregate("FLEET_EVENTS", "EVENTS", "evt"),
+)
+
+
+def device_mirror(config: HubConfig, device: Device, incarnation: Incarnation) -> StreamConfig:
+    """The hub's copy of one incarnation of a device stream, with its sequences and times."""
+    return StreamConfig(
+        name=mirror_name(device.device_id, incarnation),
+        storage=StorageType.FILE,
+        discard=DiscardPolicy.OLD,
+        # The ingest reads device times here when it archives a row: keep them as long as
+        # the aggregates keep the rows.
+        max_bytes=config.aggregates.max_bytes,
+        max_age=config.aggregates.max_age,
+        mirror=StreamSource(
+            name=incarnation.stream,
+            external=ExternalStream(api=device.api_prefix),
+            # Deliveries on a subject only this device may publish to (see hub_ingest.fleet.auth).
+            consumer=StreamConsumerSource(
+                name=hub_consumer(incarnation.id),
+                deliver_subject=hub_deliver_subject(
+                    device.device_id, incarnation.id, incarnation.stream
+                ),
+            ),
+        ),
+        allow_direct=True,
+        metadata=mirror_metadata(device.device_id, incarnation),
+        num_replicas=config.replicas,
+    )
+
+
+def device_mirrors(config: HubConfig, device: Device) -> list[StreamConfig]:
+    return [device_mirror(config, device, i) for i in device.incarnations]
+
+
+def mirror_targets(devices: Iterable[Device]) -> dict[str, Target]:
+    """Every hub mirror of `devices` by name, with the aggregate that sources it."""
+    found = {}
+    for device in devices:
+        for incarnation in device.incarnations:
+            for aggregate in AGGREGATES:
+                if aggregate.device_stream == incarnation.stream:
+                    name = mirror_name(device.device_id, incarnation)
+                    found[name] = Target(
+                        name, device, incarnation, aggregate.stream_name(device.shard)
+                    )
+    return found
+
+
+def device_commands(config: HubConfig, device: Device) -> StreamConfig:
+    """``CMD_<id>``: the device's commands and the broadcasts, the one stream it may read."""
+    return StreamConfig(
+        name=command_stream(device.device_id),
+        storage=StorageType.FILE,
+        discard=DiscardPolicy.OLD,
+        max_age=config.commands.max_age,
+        sources=[
+            StreamSource(
+                name=HUB_COMMANDS,
+                # From its enrolment on: a device enrolled today must not run the broadcasts
+                # of last week (COMMANDS keeps them for commands.max_age).
+                opt_start_time=parse_time(device.added_at),
+                subject_transforms=[
+                    SubjectTransform(src=f, dest=f) for f in command_filters(device.device_id)
+                ],
+            )
+        ],
+        allow_direct=True,
+        metadata={
+            **MANAGED_BY,
+            **{fence_key(i.id): str(i.command_fence) for i in device.incarnations},
+        },
+        num_replicas=config.replicas,
+    )
+
+
+def island_consumer(device: Device) -> ConsumerConfig:
+    """The consumer on ``CMD_<id>`` that the island's ``COMMANDS`` mirror binds to (see
+    `edge_agent.streams`); it delivers under a prefix only that device may read."""
+    return mirror_consumer(ISLAND_CONSUMER, island_deliver_subject(device.device_id), MANAGED_BY)
+
+
+async def provision_commands(js: JetStreamContext, config: HubConfig, device: Device) -> Reconciled:
+    """``CMD_<id>`` and the consumer the device's mirror of it reads through."""
+    result = await reconcile_stream(js, device_commands(config, device))
+    await js.add_consumer(result.name, island_consumer(device))
+    return result
+
+
+def device_sources(aggregate: Aggregate, device: Device) -> list[StreamSource]:
+    return [
+        device_source(aggregate, device, i)
+        for i in device.incarnations
+        if i.stream == aggregate.device_stream
+    ]
+
+
+def device_source(aggregate: Aggregate, device: Device, incarnation: Incarnation) -> StreamSource:
+    # From the hub's own mirror, not over the link again: each message crosses the link
+    # once, and an aggregate row never gets ahead of the device time the ingest looks up.
+    return StreamSource(
+        name=mirror_name(device.device_id, incarnation),
+        subject_transforms=[
+            SubjectTransform(
+                src=f"{aggregate.prefix}.>", dest=f"{aggregate.subject_prefix(device.device_id)}.>"
+            )
+        ],
+    )
+
+
+def commands_stream(config: HubConfig) -> StreamConfig:
+    return StreamConfig(
+        name=HUB_COMMANDS,
+        subjects=["cmd.>"],
+        storage=StorageType.FILE,
+        discard=DiscardPolicy.OLD,
+        max_age=config.commands.max_age,
+        max_bytes=config.commands.max_bytes,
+        # Long enough for `command send` retries to be de-duplicated by Nats-Msg-Id.
+        duplicate_window=600.0,
+        allow_direct=True,
+        metadata=MANAGED_BY,
+        num_replicas=config.replicas,
+    )
+
+
+def aggregate_streams(
+    config: HubConfig, devices: Iterable[Device], shards: Iterable[int] = ()
+) -> list[StreamConfig]:
+    """Aggregate streams for `devices`, plus empty ones for `shards` that have none left."""
+    by_shard: dict[int, list[Device]] = {shard: [] for shard in (0, *shards)}
+    for device in sorted(devices, key=lambda d: d.device_id):
+        by_shard.setdefault(device.shard, []).append(device)
+    streams = []
+    for aggregate in AGGREGATES:
+        for shard in sorted(by_shard):
+            sources = [s for d in by_shard[shard] for s in device_sources(aggregate, d)]
+            name = aggregate.stream_name(shard)
+            if sources:  # what the hub's mirrors skipped, read again from the islands
+                sources.append(refill_source(name))
+            streams.append(
+                StreamConfig(
+                    name=name,
+                    # The server gives a stream with neither subjects nor sources its own name
+                    # as subject (no device publishes that); say so, or every run "updates" it.
+                    subjects=None if sources else [name],
+                    storage=StorageType.FILE,
+                    discard=DiscardPolicy.OLD,
+                    max_bytes=config.aggregates.max_bytes,
+                    max_age=config.aggregates.max_age,
+                    sources=sources or None,
+                    duplicate_window=120.0,
+                    allow_direct=True,
+                    metadata=MANAGED_BY,
+                    num_replicas=config.replicas,
+                )
+            )
+    return streams
+
+
+async def _bucket_replicas(js: JetStreamContext, stream: str, replicas: int) -> Reconciled:
+    """A key-value bucket's stream (the registry's, made by `Registry.open` with the
+    server's default of one replica; the command index's) kept as many times as the hub's
+    streams."""
+    have = (await js.stream_info(stream)).config
+    if have.num_replicas == replicas:
+        return Reconciled(stream, "unchanged")
+    await js.update_stream(dataclasses.replace(have, num_replicas=replicas))
+    return Reconciled(stream, "updated", ("num_replicas",))
+
+
+async def stream_names(js: JetStreamContext) -> list[str]:
+    """Every stream name in the domain, sorted (the listing API is paged, and a stream
+    created between two pages shifts the second one: a name may come twice)."""
+    names: list[str] = []
+    while page := await js.streams_info(offset=len(names)):
+        names.extend(info.config.name or "" for info in page)
+    return sorted(set(names))
+
+
+async def aggregate_stream_names(js: JetStreamContext) -> list[str]:
+    """Every aggregate stream (all shards), sorted."""
+    return sorted(name for name in await stream_names(js) if _shard_of(name))
+
+
+def _shard_of(name: str) -> list[int]:
+    for aggregate in AGGREGATES:
+        if name == aggregate.base_name:
+            return [0]
+        suffix = name.removeprefix(f"{aggregate.base_name}_")
+        if suffix != name and suffix.isdigit() and int(suffix) >= 2:
+            return [int(suffix) - 1]
+    return []
+
+
+def subjects_overlap(a: str, b: str) -> bool:
+    """Whether some subject matches both patterns (``*`` is one token, ``>`` one or more)."""
+    left, right = a.split("."), b.split(".")
+    for x, y in zip(left, right, strict=False):
+        if ">" in (x, y):
+            return True
+        if x != y and "*" not in (x, y):
+            return False
+    return len(left) == len(right)
+
+
+def _ours(name: str) -> bool:
+    """Names hub-ingest manages: a stream of another owner under one of them is a clash."""
+    return (
+        name in (HUB_COMMANDS, REFILL_STREAM)
+        or name.startswith(("CMD_", "EDGE_"))
+        or bool(_shard_of(name))
+    )
+
+
+def _clash(config: dict[str, Any], adopt: bool) -> str | None:
+    """Why provisioning must not go on beside (or over) this existing stream, if it must not."""
+    name = str(config.get("name"))
+    if (config.get("metadata") or {}).get("managed-by") == MANAGED_BY["managed-by"]:
+        return None
+    if _ours(name):
+        if adopt:
+            return None
+        return (
+            f"stream {name} exists but was not created by hub-ingest (no metadata "
+            f"managed-by: hub-ingest): refusing to rewrite it; --adopt takes it over"
+        )
+    for subject in config.get("subjects") or []:
+        for fleet in FLEET_SUBJECTS:
+            if subjects_overlap(subject, fleet):
+                return (
+                    f"stream {name} listens on {subject!r}, which overlaps {fleet!r} that the "
+                    f"fleet uses: it would store fleet messages a second time; change its "
+                    f"subjects or delete it"
+                )
+    return None
+
+
+async def check_foreign_streams(js: JetStreamContext, *, adopt: bool = False) -> None:
+    """Refuse (`ProvisionError`) before anything changes if another stream is in the way."""
+    offset = 0
+    while page := await js.streams_info(offset=offset):
+        offset += len(page)
+        for info in page:
+            problem = _clash(info.config.as_dict(), adopt)
+            if problem:
+                raise ProvisionError(problem)
+
+
+async def provision(
+    js: JetStreamContext, config: HubConfig, devices: Iterable[Device], *, adopt: bool = False
+) -> list[Reconciled]:
+    """Create or update ``COMMANDS`` and every aggregate stream; safe to repeat.
+
+    Refuses, changing nothing, when a stream of another owner is in the way (see `_clash`);
+    with `adopt`, same-named streams of another owner are taken over.
+    """
+    await check_foreign_streams(js, adopt=adopt)
+    registry = await Registry.open(js)
+    devices = list(devices)
+    for _ in range(_ROUNDS):
+        results = await _provision_once(js, config, devices)
+        # Another provisioner (`hub-ingest watch` recording an incarnation, a `device add`)
+        # may have written from an older registry while this one ran: whoever finishes last
+        # makes the streams match the registry as it is now.
+        fresh = await registry.list()
+        if fresh == sorted(devices, key=lambda d: d.device_id):
+            return results
+        devices = fresh
+    raise ProvisionError(f"the device registry kept changing over {_ROUNDS} provisioning rounds")
+
+
+async def _provision_once(
+    js: JetStreamContext, config: HubConfig, devices: list[Device]
+) -> list[Reconciled]:
+    # Shards whose last device was removed still exist and must stop sourcing it.
+    shards = {shard for name in await stream_names(js) for shard in _shard_of(name)}
+    mirrors = [m for d in devices for m in device_mirrors(config, d)]
+    try:
+        # The command index is made here, with every node up, rather than by the first
+        # report or status: made while a node is down, its replica group may be left
+        # without a leader when another node goes (seen on a 3-node hub).
+        await open_bucket(js, COMMAND_INDEX, replicas=config.replicas, direct=True)
+        await open_bucket(js, GAPS, replicas=config.replicas)
+        results = [
+            await _bucket_replicas(js, stream, config.replicas)
+            for stream in (REGISTRY_STREAM, INDEX_STREAM, GAPS_STREAM)
+        ]
+        results.append(await reconcile_stream(js, commands_stream(config)))
+        results.append(await reconcile_stream(js, refill_stream(config)))
+        results += [await provision_commands(js, config, d) for d in devices]
+        for want in [*mirrors, *aggregate_streams(config, devices, shards)]:
+            results.append(await reconcile_stream(js, want))
+    except StreamError as exc:
+        raise ProvisionError(str(exc)) from exc
+    except APIError as exc:
+        raise ProvisionError(f"{exc.description} (code {exc.err_code})") from exc
+    for result in results:
+        if result.change != "unchanged":
+            log.info(
+                "stream_provisioned",
+                stream=result.name,
+                change=result.change,
+                fields=list(result.fields),
+            )
+    return results

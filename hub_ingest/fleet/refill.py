@@ -1,0 +1,412 @@
+"""Gaps heal themselves: what a hub mirror skipped is read again from the island, once.
+
+nats-server lets a hub mirror skip a range of a device's sequences for good: a mirror that
+binds takes the island consumer's acknowledgement floor as what it holds, so a hub that lost
+a tail to a power cut, or a cluster's new mirror leader below that floor, records the range
+as *deleted* and never asks for it again. The island still holds it, so the hub refills it:
+
+- **detect**: `Refiller.tick` lists every mirror's state (one paged ``STREAM.LIST``); a
+  mirror whose deleted count or range changed, or that has a pending gap and whose device is
+  linked now, is looked at (``STREAM.INFO`` with ``deleted_details``);
+- **refill**: each deleted sequence that is neither refilled nor lost yet is read from the
+  island across the leaf (batched direct gets through ``$JS.<device-domain>.API``, a bounded
+  batch at a time, answered on the device's own reply prefix) and published into
+  ``FLEET_REFILL`` on ``refill.<aggregate>.<mirror>.<seq>.<device>.<subject>`` with
+  ``Nats-Expected-Last-Subject-Sequence: 0``: one subject per ``(mirror, seq)``, which the
+  server accepts once, however many watchers (one per cluster node) or restarts try.
+  Each aggregate sources ``FLEET_REFILL`` with the transform ``refill.<aggregate>.*.*.>`` →
+  ``fleet.>``, so a refilled reading reaches the aggregate as ``fleet.<device>.<subject>``
+  like every other, for the ingest and any other hub consumer;
+- **rows deleted from an aggregate by hand** (its sources have moved past them) are found
+  through the mirrors that still hold them and put back through ``FLEET_REFILL`` the same way;
+- **never twice**: a sequence the mirror lost but the aggregate still holds (a hub power cut
+  takes each stream's unsynced tail separately) is found in the aggregate and not refilled;
+- **count the rest**: a sequence the island no longer holds is lost, with its reason
+  (``evicted``: below the island's first sequence, its budget or age took it;
+  ``reimaged``: the island runs another incarnation; ``deleted_on_device``: inside the
+  island's range but gone). A gap whose island does not answer is *pending*, with the time it
+  was first seen. Per mirror, the figures live in the ``FLEET_GAPS`` bucket, which `report`
+  reads.
+
+A refilled message carries ``Edge-Refill-Of: <mirror> <device seq> <subject> <device store
+time>``; the app's ``Nats-Msg-Id`` travels as ``Edge-Refill-Msg-Id`` (the hub's streams would
+otherwise de-duplicate it against another device's message with the same id).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import secrets
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import nats.errors
+import structlog
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.errors import APIError, KeyNotFoundError
+from nats.js.kv import KeyValue
+
+from edge_agent.protocol.names import INCARNATION, hub_reply_prefix, js_api
+from edge_agent.protocol.units import utc_now_iso
+from hub_ingest.core.buckets import open_bucket
+from hub_ingest.core.config import HubConfig
+from hub_ingest.fleet.aggregate_rows import in_aggregate, sourced_all, sourced_row
+from hub_ingest.fleet.gaps import (
+    BUCKET,
+    MSG_ID_HEADER,
+    REFILL_HEADER,
+    MirrorGaps,
+    Target,
+    expand,
+    refill_subject,
+    refilled_seqs,
+    to_ranges,
+)
+from hub_ingest.fleet.registry import Device
+
+log = structlog.get_logger(__name__)
+
+
+# Messages per direct get from an island, and gets in flight: on a 2 Mbit/s, 100 ms link two
+# batches of 256 readings keep the link busy while the round trips overlap, and leave gaps
+# in which live traffic and commands get through.
+BATCH = 256
+WINDOW = 2
+BATCH_BYTES = 1 << 20
+ASK_TIMEOUT = 2.0  # for the island's stream info: an offline island costs this
+READ_TIMEOUT = 10.0  # between two messages of a batch, on the slowest links
+RETRY_S = 30.0  # a pending gap is tried again this often even if its device is not linked here
+CONCURRENT = 8  # mirrors healed at once (an offline island costs a timeout)
+_WRONG_LAST_SEQUENCE = 10071  # the subject has a message: this sequence was refilled before
+# Reply headers of a direct get; the rest are the message's own.
+_SERVER_HEADERS = frozenset(
+    {
+        "Nats-Stream",
+        "Nats-Subject",
+        "Nats-Sequence",
+        "Nats-Time-Stamp",
+        "Nats-Num-Pending",
+        "Nats-Last-Sequence",
+        "Nats-Msg-Id",
+    }
+)
+
+
+@dataclass
+class Refiller:
+    """Finds what hub mirrors skipped and refills it from the islands; `watch` runs it."""
+
+    js: JetStreamContext
+    nc: Client
+    config: HubConfig
+    interval: float = 2.0
+    # mirror → (first, last, deleted) when last looked at: an unchanged mirror is not asked
+    seen: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    # mirrors whose island did not answer → when it was last asked (monotonic)
+    pending: dict[str, float] = field(default_factory=dict)
+    # aggregate → its deleted sequences whose rows were put back (or were nobody's)
+    aggregate_done: dict[str, set[int]] = field(default_factory=dict)
+    _kv: KeyValue | None = None
+    _next: float = 0.0
+
+    @property
+    def api(self) -> str:
+        return js_api(self.config.nats.domain)
+
+    async def tick(self, mirrors: Mapping[str, Target], linked: set[str]) -> None:
+        """Look at every mirror whose skipped range changed, and at those with a gap pending
+        whose device has linked here (`linked`: device ids) or that were last tried over
+        `RETRY_S` ago (the device may be linked to another node); at most every `interval`
+        seconds."""
+        now = time.monotonic()
+        if now < self._next:
+            return
+        self._next = now + self.interval
+        if self._kv is None:
+            self._kv = await open_bucket(self.js, BUCKET, replicas=self.config.replicas)
+        aggregates = {t.aggregate for t in mirrors.values()}
+        states = await _deleted_states(self.js, set(mirrors) | aggregates)
+        await self._heal_aggregates(
+            {name: s for name, s in states.items() if name in aggregates}, mirrors
+        )
+        due = []
+        for name, state in states.items():
+            if name not in mirrors:
+                continue
+            tried = self.pending.get(name)
+            retry = tried is not None and (
+                mirrors[name].device.device_id in linked or now - tried >= RETRY_S
+            )
+            if self.seen.get(name) != state or retry:
+                due.append((name, state))
+        limit = asyncio.Semaphore(CONCURRENT)
+
+        async def heal(name: str, state: tuple[int, int, int]) -> None:
+            async with limit:
+                gaps = await self.heal(mirrors[name])
+            self.seen[name] = state
+            if gaps.pending:
+                self.pending[name] = time.monotonic()
+            else:
+                self.pending.pop(name, None)
+
+        await asyncio.gather(*(heal(name, state) for name, state in due))
+
+    async def heal(self, target: Target) -> MirrorGaps:
+        """Refill what `target`'s mirror skipped; record and return what became of it."""
+        assert self._kv is not None
+        before = await self._record(target)
+        deleted = await _deleted(self.nc, self.api, target.mirror)
+        done = await refilled_seqs(self.js, target.mirror)
+        lost = {reason: expand(r) for reason, r in before.lost.items()}
+        kept = expand(before.kept)
+        todo = sorted(deleted - done - kept - set().union(set(), *lost.values()))
+        pending: list[int] = []
+        if todo:
+            kept |= await in_aggregate(self.js, self.nc, self.api, target, todo)
+            todo = [s for s in todo if s not in kept]
+        if todo:
+            island = await self._island_state(target)
+            if island is None:
+                pending = todo
+            else:
+                refilled, gone = await self._refill(target, todo, island)
+                done |= refilled
+                for reason, seqs in gone.items():
+                    lost.setdefault(reason, set()).update(seqs)
+        gaps = MirrorGaps(
+            mirror=target.mirror,
+            device_id=target.device.device_id,
+            incarnation=target.incarnation.id,
+            device_stream=target.incarnation.stream,
+            refilled=len(done),
+            kept=to_ranges(kept),
+            lost={reason: to_ranges(seqs) for reason, seqs in sorted(lost.items()) if seqs},
+            pending=to_ranges(pending),
+            pending_since=(before.pending_since or utc_now_iso()) if pending else None,
+            checked_at=utc_now_iso(),
+        )
+        if dataclasses.replace(gaps, checked_at=before.checked_at) != before:
+            await self._kv.put(target.mirror, gaps.to_json())
+            log.info(
+                "mirror_gap_checked",
+                mirror=target.mirror,
+                device_id=target.device.device_id,
+                refilled=gaps.refilled,
+                in_aggregate=gaps.in_aggregate,
+                lost=gaps.lost_counts(),
+                pending=gaps.pending_count,
+            )
+        return gaps
+
+    async def _heal_aggregates(
+        self, states: Mapping[str, tuple[int, int, int]], mirrors: Mapping[str, Target]
+    ) -> None:
+        """Put back what was deleted from an aggregate by hand while its mirrors still hold it
+        (the aggregate's sources have moved past it and would never bring it again)."""
+        for aggregate, (first, _, count) in states.items():
+            done = self.aggregate_done.get(aggregate, set())
+            if count == len({s for s in done if s >= first}):
+                continue
+            deleted = await _deleted(self.nc, self.api, aggregate)
+            settled = True
+            for target in (t for t in mirrors.values() if t.aggregate == aggregate):
+                for span in to_ranges(deleted - done):
+                    settled &= await self._reroute(target, span, first)
+            if settled:
+                self.aggregate_done[aggregate] = deleted
+
+    async def _reroute(self, target: Target, span: tuple[int, int], aggregate_first: int) -> bool:
+        """Publish into FLEET_REFILL, from the hub's mirror, the rows of `target` that were in
+        the aggregate's deleted `span`; False when that cannot be told yet (the mirror's rows
+        after the span have not reached the aggregate)."""
+        first, last = span
+        before = await sourced_row(self.nc, self.api, target, first, before=True)
+        after = await sourced_row(self.nc, self.api, target, last + 1)
+        mirror = await self.js.stream_info(target.mirror)
+        if before is None and aggregate_first > 1:
+            # The mirror's rows before the span may have aged out of the aggregate, and would
+            # be told from the deleted ones only by the archive: put nothing back.
+            log.warning("aggregate_rows_unknown", aggregate=target.aggregate, mirror=target.mirror)
+            return True
+        low = before + 1 if before is not None else mirror.state.first_seq
+        if after is None:
+            if low > mirror.state.last_seq:
+                return True  # nothing of this mirror came after the rows before the span
+            if not await sourced_all(self.nc, self.api, target):
+                return False
+            high = mirror.state.last_seq
+        else:
+            high = after - 1
+        if low > high:
+            return True
+        skipped = await _deleted(self.nc, self.api, target.mirror)
+        todo = set(range(low, high + 1)) - skipped - await refilled_seqs(self.js, target.mirror)
+        todo -= await in_aggregate(self.js, self.nc, self.api, target, sorted(todo))
+        source = f"{self.api}.DIRECT.GET.{target.mirror}"
+        for lo, hi in to_ranges(todo):
+            for msg in await self._read(target, lo, hi, source):
+                await self._publish(target, msg)
+        if todo:
+            log.warning(
+                "aggregate_rows_put_back",
+                aggregate=target.aggregate,
+                mirror=target.mirror,
+                device_id=target.device.device_id,
+                rows=len(todo),
+            )
+            await self.heal(target)  # records the new refilled count
+        return True
+
+    async def _record(self, target: Target) -> MirrorGaps:
+        assert self._kv is not None
+        try:
+            entry = await self._kv.get(target.mirror)
+        except KeyNotFoundError:
+            entry = None
+        if entry is not None and entry.value:
+            return MirrorGaps.from_json(entry.value)
+        return MirrorGaps(
+            target.mirror, target.device.device_id, target.incarnation.id, target.incarnation.stream
+        )
+
+    async def _island_state(self, target: Target) -> dict[str, Any] | None:
+        """The island stream's info, None when the island does not answer."""
+        subject = f"{target.device.api_prefix}.STREAM.INFO.{target.incarnation.stream}"
+        try:
+            [reply] = await _ask(self.nc, target.device, subject, {}, timeout=ASK_TIMEOUT)
+        except (nats.errors.Error, TimeoutError, ValueError) as exc:
+            log.debug("island_unreachable", mirror=target.mirror, error=repr(exc))
+            return None
+        info: dict[str, Any] = json.loads(reply.data)
+        return info if "error" not in info else None
+
+    async def _refill(
+        self, target: Target, todo: list[int], island: Mapping[str, Any]
+    ) -> tuple[set[int], dict[str, set[int]]]:
+        """Read `todo` from the island and publish it into FLEET_REFILL; (refilled, lost)."""
+        metadata = (island.get("config") or {}).get("metadata") or {}
+        if metadata.get(INCARNATION) != target.incarnation.id:
+            return set(), {"reimaged": set(todo)}
+        first = int((island.get("state") or {}).get("first_seq", 0))
+        lost: dict[str, set[int]] = {"evicted": {s for s in todo if s < first}}
+        wanted = [s for s in todo if s >= first]
+        chunks = [
+            (seq, min(seq + BATCH - 1, hi))
+            for lo, hi in to_ranges(wanted)
+            for seq in range(lo, hi + 1, BATCH)
+        ]
+        refilled: set[int] = set()
+        for at in range(0, len(chunks), WINDOW):
+            window = chunks[at : at + WINDOW]
+            read = await asyncio.gather(*(self._read(target, lo, hi) for lo, hi in window))
+            msgs = [m for batch in read for m in batch]
+            refilled.update(await asyncio.gather(*(self._publish(target, m) for m in msgs)))
+        lost["deleted_on_device"] = set(wanted) - refilled
+        return refilled, lost
+
+    async def _read(self, target: Target, lo: int, hi: int, source: str = "") -> list[Msg]:
+        """The island's messages `lo`..`hi` (those it still has), a bounded batch at a time;
+        or those of another stream's direct get subject, `source`."""
+        source = source or f"{target.device.api_prefix}.DIRECT.GET.{target.incarnation.stream}"
+        got: list[Msg] = []
+        seq = lo
+        while seq <= hi:
+            msgs = await _ask(
+                self.nc,
+                target.device,
+                source,
+                {"seq": seq, "batch": hi - seq + 1, "max_bytes": BATCH_BYTES},
+                timeout=READ_TIMEOUT,
+                many=True,
+            )
+            # A batch holds the next messages the island has, which may lie past `hi`.
+            within = [m for m in msgs if _seq(m) <= hi]
+            got += within
+            if len(within) < len(msgs) or not within:
+                break
+            seq = _seq(within[-1]) + 1
+        return got
+
+    async def _publish(self, target: Target, msg: Msg) -> int:
+        headers = dict(msg.headers or {})
+        seq = int(headers["Nats-Sequence"])
+        subject = headers["Nats-Subject"]
+        stored = {k: v for k, v in headers.items() if k not in _SERVER_HEADERS}
+        if "Nats-Msg-Id" in headers:
+            stored[MSG_ID_HEADER] = headers["Nats-Msg-Id"]
+        stored[REFILL_HEADER] = f"{target.mirror} {seq} {subject} {headers['Nats-Time-Stamp']}"
+        stored["Nats-Expected-Last-Subject-Sequence"] = "0"
+        to = refill_subject(target.aggregate, target.mirror, seq, target.device.device_id, subject)
+        try:
+            await self.js.publish(to, msg.data, headers=stored)
+        except APIError as exc:
+            if exc.err_code != _WRONG_LAST_SEQUENCE:
+                raise
+        return seq
+
+
+def _seq(msg: Msg) -> int:
+    return int((msg.headers or {}).get("Nats-Sequence", 0))
+
+
+async def _ask(
+    nc: Client,
+    device: Device,
+    subject: str,
+    body: Mapping[str, Any],
+    *,
+    timeout: float,
+    many: bool = False,
+) -> list[Msg]:
+    """A request to a device's island, answered on its own reply prefix; with `many`, every
+    message up to the batch's end-of-batch status."""
+    inbox = f"{hub_reply_prefix(device.device_id)}.{secrets.token_hex(8)}"
+    sub = await nc.subscribe(inbox)
+    got: list[Msg] = []
+    try:
+        await nc.publish(subject, json.dumps(body).encode(), reply=inbox)
+        while True:
+            msg = await sub.next_msg(timeout=timeout)
+            status = (msg.headers or {}).get("Status")
+            if status is not None:
+                if status in ("404", "408", "204"):
+                    return got  # no (more) messages; end of batch
+                raise ValueError(f"{subject}: status {status}")
+            got.append(msg)
+            if not many:
+                return got
+    finally:
+        with contextlib.suppress(nats.errors.Error):
+            await sub.unsubscribe()
+
+
+async def _deleted_states(js: JetStreamContext, names: set[str]) -> dict[str, tuple[int, int, int]]:
+    """(first, last, deleted) of each of the streams `names` that has deleted sequences."""
+    states: dict[str, tuple[int, int, int]] = {}
+    offset = 0
+    while page := await js.streams_info(offset=offset):
+        offset += len(page)
+        for info in page:
+            name = info.config.name or ""
+            deleted = info.state.num_deleted or 0
+            if name in names and deleted:
+                states[name] = (info.state.first_seq, info.state.last_seq, deleted)
+    return states
+
+
+async def _deleted(nc: Client, api: str, mirror: str) -> set[int]:
+    """The sequences inside the mirror's range that it does not hold."""
+    reply = await nc.request(
+        f"{api}.STREAM.INFO.{mirror}", json.dumps({"deleted_details": True}).encode(), timeout=10
+    )
+    state = json.loads(reply.data).get("state") or {}
+    first = int(state.get("first_seq", 0))
+    return {int(s) for s in state.get("deleted") or [] if int(s) >= first}

@@ -1,0 +1,79 @@
+"""The hub's nats-server configuration: JetStream in the hub domain plus a leaf listener.
+
+Users and their permissions live in a second file (`hub_ingest.fleet.auth`), included from this
+one, so that registering a device rewrites only that file and reloads the server.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from edge_agent.protocol.tomlconf import render_sync
+from hub_ingest.core.config import HubConfig, LeafTlsConfig
+
+
+def render_server_config(config: HubConfig, config_file: Path | None = None) -> str:
+    """The config of `config.server`: for a cluster, pass `HubConfig.for_node`'s view."""
+    srv = config.server
+    where = (config_file or srv.config_file).resolve().parent
+    # nats-server resolves includes relative to the including file.
+    include = os.path.relpath(srv.auth_file.resolve(), where)
+    source = f" from {config.source}" if config.source else ""
+    return f"""\
+# Rendered by hub-ingest{source}; edit the hub config instead.
+server_name: {json.dumps(srv.server_name)}
+listen: {json.dumps(srv.listen)}
+http: {json.dumps(srv.monitor_listen)}
+pid_file: {json.dumps(str(srv.pid_file))}
+include {json.dumps(include)}
+
+jetstream {{
+  domain: {json.dumps(config.nats.domain)}
+  store_dir: {json.dumps(str(srv.store_dir))}
+  max_file_store: {srv.max_file_store}
+  max_memory_store: {srv.max_memory_store}
+  {render_sync(srv.sync)}
+}}
+
+leafnodes {{
+  listen: {json.dumps(srv.leaf_listen)}
+  compression: {json.dumps(srv.leaf_compression)}
+  # Devices dial the URLs in their own config (a load balancer, a NAT address); without
+  # this the hub gossips its internal listen address and devices reconnect around it.
+  no_advertise: true
+{_leaf_tls_block(srv.leaf_tls)}}}
+{_cluster_block(config)}"""
+
+
+def _leaf_tls_block(tls: LeafTlsConfig | None) -> str:
+    if tls is None:
+        return ""
+    lines = [
+        f"cert_file: {json.dumps(str(tls.cert_file))}",
+        f"key_file: {json.dumps(str(tls.key_file))}",
+    ]
+    if tls.ca_file is not None:
+        lines.append(f"ca_file: {json.dumps(str(tls.ca_file))}")
+    if tls.verify:
+        lines.append("verify: true  # a client certificate from ca_file, on top of the NKey")
+    lines.append("timeout: 5  # seconds for the handshake: LTE round trips are long")
+    body = "\n    ".join(lines)
+    return f"  tls {{\n    {body}\n  }}\n"
+
+
+def _cluster_block(config: HubConfig) -> str:
+    if config.cluster is None:
+        return ""
+    node = config.cluster.node(config.server.server_name)
+    routes = [n.route for n in config.cluster.nodes if n.name != node.name]
+    return f"""
+cluster {{
+  name: {json.dumps(config.cluster.name)}
+  listen: {json.dumps(node.cluster_listen)}
+  routes: {json.dumps(routes)}
+  # Clients and leaf nodes use the URLs they were given, as for the leaf listener.
+  no_advertise: true
+}}
+"""

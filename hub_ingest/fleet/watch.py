@@ -1,0 +1,285 @@
+"""Device incarnations: a re-imaged device is noticed, and mirrored afresh, by itself.
+
+A device that is re-imaged (same id and key, empty store) starts its streams again at
+sequence 1 with new incarnation ids (`edge_agent.streams`). A stock mirror would drop every
+new message whose sequence is not above its last one, silently. Here each incarnation has its
+own hub mirror, bound to the durable consumer the device made for that incarnation: the old
+mirror keeps what it had (its consumer died with the old store, so it can take nothing new)
+and the new one collects the new incarnation from sequence 1.
+
+`observe` asks a device's island for the incarnation of each outbound stream (a JetStream
+``STREAM.INFO`` through ``$JS.<device-domain>.API``) and, for one the registry does not have
+yet, records it, with its *command fence*, and provisions its mirror and sources. `watch`
+(``hub-ingest watch``, a hub service) calls `observe` for every device whose leaf link came
+up, as seen on ``/leafz``, and for every linked device now and then.
+
+The command fence is the last ``CMD_<id>`` sequence when the hub first saw a device's second or
+later incarnation (0 for its first): a re-imaged agent answers the commands up to it
+``rejected`` without running them, since the old incarnation may have run them already. The
+hub writes it into ``CMD_<id>``'s metadata, which the agent may read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import secrets
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import nats.errors
+import structlog
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+
+from edge_agent.protocol.monitor import Monitor
+from edge_agent.protocol.names import (
+    INCARNATION,
+    OUTBOUND,
+    command_stream,
+    hub_reply_prefix,
+    island_name,
+)
+from edge_agent.protocol.units import utc_now_iso
+from hub_ingest.core.config import HubConfig
+from hub_ingest.fleet.provision import mirror_targets, provision
+from hub_ingest.fleet.refill import Refiller
+from hub_ingest.fleet.registry import Device, Incarnation, Registry
+
+log = structlog.get_logger(__name__)
+
+ASK_TIMEOUT = 2.0  # one STREAM.INFO over the leaf link
+RECHECK_S = 30.0  # a linked device is asked again this often, in case a reconnect was missed
+
+
+async def device_incarnations(nc: Client, device: Device) -> dict[str, str]:
+    """Incarnation id of each outbound stream on the device's island; {} when unreachable."""
+    found: dict[str, str] = {}
+    for stream in OUTBOUND:
+        try:
+            info = await _ask(nc, device, f"{device.api_prefix}.STREAM.INFO.{stream}")
+        except (nats.errors.Error, TimeoutError, ValueError) as exc:
+            log.debug(
+                "incarnation_unknown", device_id=device.device_id, stream=stream, error=repr(exc)
+            )
+            continue
+        metadata = (info.get("config") or {}).get("metadata") or {}
+        if isinstance(metadata.get(INCARNATION), str):
+            found[stream] = metadata[INCARNATION]
+    return found
+
+
+async def _ask(nc: Client, device: Device, subject: str) -> dict[str, Any]:
+    """A request to the device's island, answered on a subject only that device may use
+    (a leaf connection may not answer on the usual inboxes, see `hub_ingest.fleet.auth`)."""
+    inbox = f"{hub_reply_prefix(device.device_id)}.{secrets.token_hex(8)}"
+    sub = await nc.subscribe(inbox, max_msgs=1)
+    try:
+        await nc.publish(subject, b"", reply=inbox)
+        reply = await sub.next_msg(timeout=ASK_TIMEOUT)
+    finally:
+        with contextlib.suppress(nats.errors.Error):
+            await sub.unsubscribe()
+    answer = json.loads(reply.data)
+    if not isinstance(answer, dict):
+        raise ValueError(f"not a JSON object: {reply.data[:80]!r}")
+    return answer
+
+
+async def _command_fence(js: JetStreamContext, device: Device, stream: str) -> int:
+    if device.current(stream) is None:
+        return 0  # a first install runs what was queued for it
+    return (await js.stream_info(command_stream(device.device_id))).state.last_seq
+
+
+async def record(
+    js: JetStreamContext,
+    registry: Registry,
+    device: Device,
+    seen: Mapping[str, str],
+) -> list[Incarnation]:
+    """Record the incarnations in `seen` the hub does not know; the new ones. The caller
+    provisions their streams, once for all the devices it records (one pass over the whole
+    fleet each: per device, onboarding a fleet would grow with its square)."""
+    new = []
+    for stream, incarnation_id in sorted(seen.items()):
+        if _known(device, stream, incarnation_id):
+            continue
+        previous = device.current(stream)
+        incarnation = Incarnation(
+            stream, incarnation_id, utc_now_iso(), await _command_fence(js, device, stream)
+        )
+        device = await registry.add_incarnation(device.device_id, incarnation)
+        new.append(incarnation)
+        log.info(
+            "incarnation_changed" if previous else "incarnation_first_seen",
+            device_id=device.device_id,
+            stream=stream,
+            incarnation=incarnation_id,
+            previous=previous.id if previous else None,
+            command_fence=incarnation.command_fence,
+        )
+    return new
+
+
+async def observe(
+    js: JetStreamContext, nc: Client, config: HubConfig, devices: list[Device]
+) -> list[Incarnation]:
+    """Ask every device (those not linked now answer nothing) and `record` what is new."""
+    registry = await Registry.open(js)
+    found = await asyncio.gather(*(device_incarnations(nc, d) for d in devices))
+    new: list[Incarnation] = []
+    for device, seen in zip(devices, found, strict=True):
+        if any(not _known(device, s, i) for s, i in seen.items()):
+            current = await registry.get(device.device_id)
+            new += await record(js, registry, current, seen)
+    if new:
+        await provision(js, config, await registry.list())
+    return new
+
+
+def _known(device: Device, stream: str, incarnation_id: str) -> bool:
+    return any((i.stream, i.id) == (stream, incarnation_id) for i in device.incarnations)
+
+
+def _leaf_ids(leafz: Mapping[str, object]) -> dict[str, int]:
+    leafs = leafz.get("leafs")
+    if not isinstance(leafs, list):
+        return {}
+    return {
+        str(leaf.get("name")): int(leaf.get("id", 0)) for leaf in leafs if isinstance(leaf, dict)
+    }
+
+
+class _Fleet:
+    """The registry by leaf name (``edge-<id>`` or the device's domain), re-read when stale
+    or when a leaf the last reading did not know connects (at most once a second)."""
+
+    def __init__(self, registry: Registry) -> None:
+        self._registry = registry
+        self._by_leaf: dict[str, Device] = {}
+        self._read_at = -RECHECK_S
+
+    async def device(self, leaf_name: str) -> Device | None:
+        await self._read(stale_after=1.0 if leaf_name not in self._by_leaf else RECHECK_S)
+        return self._by_leaf.get(leaf_name)
+
+    async def devices(self) -> list[Device]:
+        """Every registered device, as read at most `RECHECK_S` ago."""
+        await self._read(stale_after=RECHECK_S)
+        return list({d.device_id: d for d in self._by_leaf.values()}.values())
+
+    async def _read(self, stale_after: float) -> None:
+        if time.monotonic() - self._read_at >= stale_after:
+            devices = await self._registry.list()
+            self._by_leaf = {n: d for d in devices for n in (island_name(d.device_id), d.domain)}
+            self._read_at = time.monotonic()
+
+    def forget(self) -> None:
+        self._read_at = -RECHECK_S
+
+
+async def watch(
+    js: JetStreamContext,
+    nc: Client,
+    config: HubConfig,
+    monitor: Monitor,
+    stop: asyncio.Event,
+    *,
+    interval: float = 0.5,
+) -> None:
+    """Until `stop` is set: observe each device whose leaf connection is new, and heal what
+    the hub's mirrors skipped (`hub_ingest.fleet.refill`), each in its own loop, so that a long
+    refill over a slow link never holds up a re-imaged device."""
+    rounds: _Rounds | None = None
+
+    async def ready() -> _Rounds:
+        nonlocal rounds
+        if rounds is None:
+            registry = await Registry.open(js)
+            rounds = _Rounds(js, nc, config, registry, _Fleet(registry), Refiller(js, nc, config))
+        return rounds
+
+    async def observe_links() -> None:
+        await (await ready()).run(await monitor.get("/leafz"))
+
+    async def heal_gaps() -> None:
+        await (await ready()).refill()
+
+    log.info("incarnation_watch_started")
+    async with asyncio.TaskGroup() as tasks:
+        tasks.create_task(_repeat("incarnation_watch", observe_links, interval, stop))
+        tasks.create_task(_repeat("gap_watch", heal_gaps, interval, stop))
+
+
+async def _repeat(
+    name: str, step: Callable[[], Awaitable[None]], interval: float, stop: asyncio.Event
+) -> None:
+    """`step` every `interval` seconds until `stop`; a failure is logged once (and again when
+    it changes, not twice a second while a node is down), then its recovery."""
+    failing: tuple[str, int] | None = None  # the last error, and the rounds it failed
+    while not stop.is_set():
+        try:
+            await step()
+            if failing is not None:
+                log.info(f"{name}_recovered", failed_rounds=failing[1])
+                failing = None
+        except Exception as exc:  # a hub restart or a slow device: try again
+            if failing is None or failing[0] != repr(exc):
+                log.warning(f"{name}_failed", error=repr(exc))
+            failing = (repr(exc), failing[1] + 1 if failing else 1)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), interval)
+
+
+@dataclass
+class _Rounds:
+    js: JetStreamContext
+    nc: Client
+    config: HubConfig
+    registry: Registry
+    fleet: _Fleet
+    refiller: Refiller
+    # device → (its leaf connection id, when both its streams last answered)
+    checked: dict[str, tuple[int, float]] = field(default_factory=dict)
+    # A recorded incarnation whose streams are not provisioned yet (the hub failed in between,
+    # e.g. during a reload): the registry already knows it, so provision again until it works.
+    unprovisioned: bool = False
+    linked: set[str] = field(default_factory=set)  # device ids linked to this node
+
+    async def run(self, leafz: Mapping[str, object]) -> None:
+        """Ask every linked device whose connection is new (or checked long ago), at once."""
+        if self.unprovisioned:
+            await provision(self.js, self.config, await self.registry.list())
+            self.unprovisioned = False
+        now = time.monotonic()
+        due: list[tuple[Device, int]] = []
+        linked = set()
+        for name, leaf in _leaf_ids(leafz).items():
+            device = await self.fleet.device(name)
+            linked |= {device.device_id} if device else set()
+            last = self.checked.get(device.device_id) if device else None
+            if device and not (last and last[0] == leaf and now - last[1] < RECHECK_S):
+                due.append((device, leaf))
+        answers = await asyncio.gather(*(device_incarnations(self.nc, d) for d, _ in due))
+        for (device, leaf), seen in zip(due, answers, strict=True):
+            if any(not _known(device, s, i) for s, i in seen.items()):
+                current = await self.registry.get(device.device_id)
+                self.unprovisioned = True
+                await record(self.js, self.registry, current, seen)
+                self.fleet.forget()
+            # Right after the link comes up the agent may not have made its streams yet: ask
+            # again at the next round until both have answered.
+            if len(seen) == len(OUTBOUND):
+                self.checked[device.device_id] = (leaf, now)
+        self.linked = linked
+        if self.unprovisioned:  # one pass for every device recorded in this round
+            await provision(self.js, self.config, await self.registry.list())
+            self.unprovisioned = False
+
+    async def refill(self) -> None:
+        """Heal what the hub's mirrors skipped, from the islands (`linked` here first)."""
+        await self.refiller.tick(mirror_targets(await self.fleet.devices()), self.linked)

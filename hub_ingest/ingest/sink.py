@@ -1,0 +1,123 @@
+"""Each micro-batch into the archive table: executors write the files, the driver commits.
+
+Spark's ``foreachBatch`` calls `TableSink` on the driver with the batch's rows and id. Rows
+the table already holds (at or below ``hub-ingest.archived.<stream>``) are dropped, the rest
+are written by the executors as Parquet under ``data/batch-<id>-<attempt>/``, fsynced, and
+committed as one snapshot that also advances the archived sequences. A kill before the
+commit leaves files no snapshot lists (`remove_unfinished` deletes them at the next start);
+a kill after it makes Spark run the batch again, which then finds nothing left to write.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import asdict, dataclass
+
+import pyarrow as pa
+import structlog
+from pyspark.sql import Column, DataFrame
+from pyspark.sql import functions as F
+from pyspark.sql.pandas.types import to_arrow_schema
+from pyspark.sql.types import StructType
+
+from hub_ingest.archive import table
+from hub_ingest.archive.table import DATA_DIR, PARTITION_COLUMN
+from hub_ingest.core import failpoints
+from hub_ingest.core.config import IngestConfig
+from hub_ingest.core.errors import ArchiveError
+
+log = structlog.get_logger(__name__)
+
+BATCH_PREFIX = "batch-"
+BATCH = "hub-ingest.batch"  # in each ingest snapshot's summary: the Spark batch it commits
+# Spark's partitioned writer leaves its partition column out of the files, and Iceberg reads
+# the date from inside them: the directories are named after a copy of it.
+DIRECTORY_COLUMN = "day"
+
+
+@dataclass(frozen=True, slots=True)
+class BatchCommit:
+    batch_id: int
+    rows: int  # written by this attempt (0: an earlier attempt had committed them)
+    files: int
+    write_seconds: float  # Spark's job: read from the hub, write the files
+    commit_seconds: float  # fsync of the files and the table commit
+
+
+def ensure_table(config: IngestConfig, schema: StructType) -> None:
+    """Create the archive table for rows of `schema`, or add the columns it lacks."""
+    table.create_or_evolve(config, to_arrow_schema(schema, timezone="UTC"))
+
+
+def remove_unfinished(config: IngestConfig) -> int:
+    """Delete the files of batches that were written but never committed (a kill between
+    the two); only the ingest writes batch directories, and it has not started yet."""
+    current = table.load(config)
+    listed = set(table.data_files(current, every_snapshot=True)) if current else set()
+    kept = {uri.rsplit("/", 2)[0] for uri in listed}  # …/batch-…/day=…/part-….parquet
+    root = f"{table.location(config.archive)}/{DATA_DIR}"
+    removed = 0
+    for directory in table.list_dirs(root):
+        if directory.rsplit("/", 1)[-1].startswith(BATCH_PREFIX) and directory not in kept:
+            table.remove_tree(directory)
+            removed += 1
+    if removed:
+        log.warning("unfinished_batches_removed", directories=removed)
+    return removed
+
+
+class TableSink:
+    """The ``foreachBatch`` function of the ingest query; `commits` lists what it did."""
+
+    def __init__(self, config: IngestConfig) -> None:
+        self.config = config
+        self.commits: list[BatchCommit] = []
+
+    def __call__(self, rows: DataFrame, batch_id: int) -> None:
+        failpoints.reach("before_write")
+        started = time.monotonic()
+        archive = table.load(self.config)
+        if archive is None:
+            raise ArchiveError(f"the archive table {self.config.table} is gone")
+        done = table.archived(archive)
+        fresh = rows.where(_unarchived(done)) if done else rows
+        out = f"{table.location(self.config.archive)}/{DATA_DIR}/{BATCH_PREFIX}{batch_id:08d}-"
+        out += uuid.uuid4().hex[:8]  # an attempt's own directory: a killed one leaves no mix
+        directory = fresh.withColumn(DIRECTORY_COLUMN, F.col(PARTITION_COLUMN))
+        directory.write.partitionBy(DIRECTORY_COLUMN).parquet(out)
+        written = time.monotonic()
+        files = [f.uri for f in table.list_files(out)]
+        keys = table.read_files(files, ["hub_stream", "hub_seq"])
+        if not files or keys.num_rows == 0:
+            table.remove_tree(out)
+            self._record(BatchCommit(batch_id, 0, 0, round(written - started, 3), 0.0))
+            return
+        failpoints.reach("before_commit")
+        table.sync_files(files)
+        table.commit(archive, files, _highest(keys), {BATCH: str(batch_id)})
+        failpoints.reach("after_commit")
+        self._record(
+            BatchCommit(
+                batch_id,
+                keys.num_rows,
+                len(files),
+                round(written - started, 3),
+                round(time.monotonic() - written, 3),
+            )
+        )
+
+    def _record(self, commit: BatchCommit) -> None:
+        self.commits.append(commit)
+        log.info("batch_committed", **asdict(commit))
+
+
+def _unarchived(done: dict[str, int]) -> Column:
+    archived = F.create_map(*(F.lit(x) for item in done.items() for x in item))
+    return F.col("hub_seq") > F.coalesce(archived[F.col("hub_stream")], F.lit(0))
+
+
+def _highest(keys: pa.Table) -> dict[str, int]:
+    grouped = keys.group_by("hub_stream").aggregate([("hub_seq", "max")])
+    streams, seqs = grouped["hub_stream"].to_pylist(), grouped["hub_seq_max"].to_pylist()
+    return dict(zip(streams, seqs, strict=True))

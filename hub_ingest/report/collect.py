@@ -1,0 +1,363 @@
+"""The fleet report: what the hub knows about every registered device, right now.
+
+Per device: whether its leaf link is connected (the hub's ``/leafz``, where a leaf is named
+after the island's ``server_name``, ``edge-<id>``), lag and last activity of each aggregate
+stream's source of it, the age of its newest heartbeat, its command backlog and its last
+failed command. Devices not heard from for longer than ``silent_after`` are flagged.
+
+Stream info is read as raw JSON from ``$JS.<domain>.API.STREAM.INFO.<name>``: nats-py's
+dataclasses drop a source's ``external`` block, the only thing that says which device a source
+reads from (every device's stream has the same name).
+
+Command counts and the last failure come from the command index
+(`hub_ingest.commands.index`), brought up to date first; pending and expired commands are the
+ones ``CMD_<id>`` holds without a result. A call reads the backlog and what is new since the
+last one, never the whole command history.
+
+Everything is read from what already exists; a hub without ``COMMANDS``, without results or
+with its monitoring endpoint down still gets a report, with the missing parts left empty.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+
+from edge_agent.protocol.names import command_stream, island_name
+from edge_agent.protocol.units import format_time, parse_time
+from hub_ingest.commands.attribution import Attribution, attribute
+from hub_ingest.commands.index import CommandIndex, Tally, json_object, read_range
+from hub_ingest.core.config import HubConfig
+from hub_ingest.fleet.gaps import MirrorGaps, read_gaps
+from hub_ingest.fleet.provision import AGGREGATES, mirror_name
+from hub_ingest.fleet.registry import Device
+from hub_ingest.report.hub import HubApi, linked_leaves, monitor_urls
+from hub_ingest.report.model import (
+    CommandCounts,
+    CommandError,
+    DeviceReport,
+    FleetReport,
+    GapCounts,
+    SourceState,
+)
+
+EVENTS = next(a for a in AGGREGATES if a.device_stream == "EVENTS")
+
+
+@dataclass(frozen=True, slots=True)
+class _Command:
+    id: str
+    target: str  # a device id or "all"
+    expires_at: datetime | None
+
+
+def _beat_body(heartbeat: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """The JSON body of a heartbeat as returned by ``STREAM.MSG.GET``."""
+    try:
+        return json_object(base64.b64decode(str((heartbeat or {}).get("data", ""))))
+    except (binascii.Error, ValueError):
+        return None
+
+
+def _beat_sender(subject: str, heartbeat: Mapping[str, Any]) -> Attribution:
+    return attribute(subject, _beat_body(heartbeat), "heartbeat")
+
+
+def _beat_figure(heartbeat: Mapping[str, Any] | None, *path: str) -> int | None:
+    """A count at `path` in a heartbeat as returned by ``STREAM.MSG.GET`` (None: absent)."""
+    value: object = _beat_body(heartbeat)
+    for key in path:
+        value = value.get(key) if isinstance(value, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _beat_uplinks(heartbeat: Mapping[str, Any] | None) -> dict[str, dict[str, Any]]:
+    """Each stream's ``uplink`` block of a heartbeat (see `edge_agent.health.Uplink`)."""
+    streams = (_beat_body(heartbeat) or {}).get("streams")
+    if not isinstance(streams, dict):
+        return {}
+    return {
+        name: body["uplink"]
+        for name, body in streams.items()
+        if isinstance(body, dict) and isinstance(body.get("uplink"), dict)
+    }
+
+
+def _command(msg: Msg) -> _Command | None:
+    """The command in a ``CMD_<id>`` message; None for a malformed envelope, which has no id
+    to match a result to (its device answers "rejected")."""
+    envelope = json_object(msg.data)
+    tokens = msg.subject.split(".")
+    if envelope is None or not isinstance(envelope.get("id"), str) or len(tokens) < 3:
+        return None
+    return _Command(envelope["id"], tokens[1], parse_time(envelope.get("expires_at")))
+
+
+class _Forgeries:
+    """Events that claim another device, per sender, for the report's warnings."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[str] = Counter()
+        self.examples: dict[str, str] = {}
+
+    def note(self, sender: Attribution, count: int = 1) -> None:
+        device = sender.device_id or "?"
+        self.counts[device] += count
+        self.examples.setdefault(device, sender.forgery or "")
+
+    def warnings(self) -> list[str]:
+        return [
+            f"device {d} sent {n} event(s) claiming another device, ignored (e.g. "
+            f"{self.examples[d]})"
+            for d, n in sorted(self.counts.items())
+        ]
+
+
+async def _heartbeat_forgeries(api: HubApi, stream: str, forged: _Forgeries) -> None:
+    """Heartbeats a device published under another device's subject (counted per subject by
+    the server, without reading them)."""
+    info = await api.request(
+        f"STREAM.INFO.{stream}", {"subjects_filter": "fleet.*.evt.*.heartbeat"}
+    )
+    subjects = ((info or {}).get("state") or {}).get("subjects") or {}
+    for subject, count in subjects.items():
+        sender = attribute(subject, None, "heartbeat")
+        if not sender.trusted:
+            forged.note(sender, int(count))
+
+
+async def _command_state(
+    api: HubApi, js: JetStreamContext, tally: Tally, device_id: str, now: datetime
+) -> tuple[CommandCounts, CommandError | None]:
+    """Counts from the device's `Tally`; pending and expired from the commands its
+    ``CMD_<id>`` still holds without a result (the backlog, never the whole history)."""
+    stream = command_stream(device_id)
+    state = ((await api.stream_info(stream)) or {}).get("state") or {}
+    pending = expired = 0
+    if state.get("messages"):
+        for lo, hi in tally.unanswered(int(state["first_seq"]), int(state["last_seq"])):
+            async for batch in read_range(js, stream, ">", lo, hi):
+                for command in filter(None, map(_command, batch)):
+                    if command.expires_at is not None and command.expires_at <= now:
+                        expired += 1
+                    else:
+                        pending += 1
+    counts = CommandCounts(pending=pending, expired=expired, done=tally.done, failed=tally.failed)
+    last = tally.last_error
+    return counts, None if last is None else CommandError(last.command_id, last.status, last.error)
+
+
+def _source_state(
+    info: dict[str, Any] | None, mirror: dict[str, Any] | None, name: str, device: Device
+) -> SourceState:
+    """How far `name` is behind the device: the hub's mirror of the device stream (the hop
+    over the link) plus the aggregate's local source of that mirror."""
+    aggregate = next(a for a in AGGREGATES if name.startswith(a.base_name))
+    current = device.current(aggregate.device_stream)
+    if current is None:
+        return SourceState(
+            name, aggregate.device_stream, False, None, None, "no incarnation seen yet"
+        )
+    wanted = mirror_name(device.device_id, current)
+    link = (mirror or {}).get("mirror") or {}
+    skipped = (mirror.get("state") or {}).get("num_deleted", 0) if mirror else None
+    for src in (info or {}).get("sources") or []:
+        if src.get("name") == wanted:
+            active = link.get("active")
+            error = link.get("error") or src.get("error")
+            return SourceState(
+                stream=name,
+                device_stream=aggregate.device_stream,
+                sourced=True,
+                lag=int(link.get("lag", 0)) + int(src.get("lag", 0)),
+                # -1: no contact with the device since the hub (re)started mirroring
+                last_active_s=round(active / 1e9, 3)
+                if isinstance(active, int) and active >= 0
+                else None,
+                error=error.get("description") if isinstance(error, dict) else error,
+                skipped=skipped,
+            )
+    return SourceState(name, aggregate.device_stream, False, None, None, "not sourced", skipped)
+
+
+async def _mirror_info(api: HubApi, device: Device, device_stream: str) -> dict[str, Any] | None:
+    current = device.current(device_stream)
+    return (
+        None if current is None else await api.stream_info(mirror_name(device.device_id, current))
+    )
+
+
+def _flags(
+    last_seen_s: float | None,
+    silent_after: float,
+    unexamined: Mapping[str, tuple[int, int]],
+    gaps: GapCounts,
+) -> tuple[str, ...]:
+    flags = []
+    if last_seen_s is None:
+        flags.append("never_seen")
+    elif last_seen_s > silent_after:
+        flags.append("silent")
+    if unexamined:
+        flags.append("hub_gap")
+    if gaps.pending:
+        flags.append("gap_pending")
+    if any(reason != "evicted" for reason in gaps.lost):  # evictions are the budget's drops
+        flags.append("lost")
+    return tuple(flags)
+
+
+def hub_gaps(
+    sources: Iterable[SourceState],
+    heartbeat: Mapping[str, Any] | None,
+    accounted: Mapping[str, int] | None = None,
+) -> dict[str, tuple[int, int]]:
+    """Per device stream, (skipped, dropped) where the hub's mirror skipped more sequences
+    than the refill has looked at (`accounted`, per device stream) plus what the device says
+    its budget removed: not yet refilled nor counted lost (`hub-ingest audit` names them)."""
+    gaps = {}
+    for source in sources:
+        dropped = _beat_figure(heartbeat, "streams", source.device_stream, "dropped") or 0
+        skipped = (source.skipped or 0) - (accounted or {}).get(source.device_stream, 0)
+        if skipped > dropped:
+            gaps[source.device_stream] = (skipped, dropped)
+    return gaps
+
+
+def _current(device: Device, record: MirrorGaps) -> bool:
+    incarnation = device.current(record.device_stream)
+    return incarnation is not None and incarnation.id == record.incarnation
+
+
+def _gap_warnings(device_id: str, gaps: GapCounts) -> list[str]:
+    warnings = []
+    if gaps.pending:
+        warnings.append(
+            f"device {device_id}: {gaps.pending} readings the hub's copy skipped wait for "
+            f"its island to answer (for {gaps.pending_age_s:.0f}s); they are refilled when it "
+            f"links"
+        )
+    lost = {reason: n for reason, n in gaps.lost.items() if reason != "evicted"}
+    if lost:
+        said = ", ".join(f"{n} {reason}" for reason, n in lost.items())
+        warnings.append(f"device {device_id}: readings lost before the hub had them: {said}")
+    return warnings
+
+
+async def collect_report(
+    nc: Client,
+    config: HubConfig,
+    devices: Iterable[Device],
+    *,
+    silent_after: float,
+    monitor: str | None = None,
+) -> FleetReport:
+    """Read the hub's streams and monitoring endpoint into a `FleetReport`."""
+    domain = config.nats.domain
+    api = HubApi(nc, domain)
+    js = nc.jetstream(domain=domain)
+    devices = sorted(devices, key=lambda d: d.device_id)
+    warnings: list[str] = []
+    now = datetime.now(UTC)
+
+    urls = [monitor] if monitor else list(monitor_urls(config).values())
+    leaves = await asyncio.to_thread(linked_leaves, urls, warnings)
+
+    names = sorted({a.stream_name(d.shard) for d in devices for a in AGGREGATES})
+    infos = {name: await api.stream_info(name) for name in names}
+    warnings.extend(f"aggregate stream {n} does not exist" for n, i in infos.items() if i is None)
+
+    event_streams = [n for n in names if infos[n] is not None and n.startswith(EVENTS.base_name)]
+    index = await CommandIndex.open(js, config.replicas)
+    await index.catch_up(event_streams, commands=False)
+    forged = _Forgeries()
+    for name in event_streams:
+        await _heartbeat_forgeries(api, name, forged)
+
+    mirror_gaps = await read_gaps(js)
+    reports = []
+    for device in devices:
+        records = [
+            mirror_gaps[name]
+            for i in device.incarnations
+            if (name := mirror_name(device.device_id, i)) in mirror_gaps
+        ]
+        device_gaps = GapCounts.of(records, now)
+        current = [r for r in records if _current(device, r)]
+        accounted = {
+            stream: GapCounts.of([r for r in current if r.device_stream == stream], now).accounted()
+            for stream in {r.device_stream for r in current}
+        }
+        sources = tuple(
+            [
+                _source_state(
+                    infos[a.stream_name(device.shard)],
+                    await _mirror_info(api, device, a.device_stream),
+                    a.stream_name(device.shard),
+                    device,
+                )
+                for a in AGGREGATES
+            ]
+        )
+        events_stream = EVENTS.stream_name(device.shard)
+        subject = f"{EVENTS.subject_prefix(device.device_id)}.{device.device_id}.heartbeat"
+        heartbeat = await api.last_message(events_stream, subject) if infos[events_stream] else None
+        if heartbeat is not None and not (sender := _beat_sender(subject, heartbeat)).trusted:
+            forged.note(sender)
+            heartbeat = None  # it names another device: not this one's word on itself
+        beat_at = parse_time(heartbeat.get("time")) if heartbeat else None
+        beat_age = round(max((now - beat_at).total_seconds(), 0.0), 3) if beat_at else None
+        ages = [a for a in (beat_age, *(s.last_active_s for s in sources)) if a is not None]
+        last_seen = min(ages) if ages else None
+        tally = await index.tally(device.device_id)
+        if tally.forged:
+            forged.note(Attribution(device.device_id, tally.forged_example), tally.forged)
+        counts, last_error = await _command_state(api, js, tally, device.device_id, now)
+        gaps = hub_gaps(sources, heartbeat, accounted)
+        warnings.extend(
+            f"device {device.device_id}: the hub's copy of its {stream} skipped {skipped} "
+            f"sequences, the device reports dropping {dropped} (hub-ingest audit names them)"
+            for stream, (skipped, dropped) in gaps.items()
+        )
+        warnings.extend(_gap_warnings(device.device_id, device_gaps))
+        reports.append(
+            DeviceReport(
+                device_id=device.device_id,
+                domain=device.domain,
+                shard=device.shard,
+                link_connected=None
+                if leaves is None
+                else bool(leaves & {device.domain, island_name(device.device_id)}),
+                sources=sources,
+                last_heartbeat_at=format_time(beat_at) if beat_at else None,
+                last_heartbeat_age_s=beat_age,
+                last_seen_s=last_seen,
+                telemetry_dropped=_beat_figure(heartbeat, "streams", "TELEMETRY", "dropped"),
+                dead_letters=_beat_figure(heartbeat, "outbox", "dead_letters"),
+                commands=counts,
+                last_error=last_error,
+                flags=_flags(last_seen, silent_after, gaps, device_gaps),
+                incarnations=device.incarnations,
+                forged_events=forged.counts[device.device_id],
+                uplinks=_beat_uplinks(heartbeat),
+                gaps=device_gaps,
+            )
+        )
+    warnings.extend(forged.warnings())
+    warnings.extend(
+        f"device {d.device_id} has {d.dead_letters} outbox rows its island refused for good "
+        f"(edge-agent dead-letter list, on the device)"
+        for d in reports
+        if d.dead_letters
+    )
+    return FleetReport(format_time(now), silent_after, tuple(reports), tuple(warnings))

@@ -1,0 +1,99 @@
+"""Reading the hub for the report: JetStream API requests answered as raw JSON (nats-py's
+dataclasses drop a source's ``external`` block, the only thing that says which device a
+source reads from) and the servers' monitoring endpoints (which leaves are linked)."""
+
+from __future__ import annotations
+
+import json
+import urllib.parse
+import urllib.request
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import nats.errors
+from nats.aio.client import Client
+
+from edge_agent.protocol.names import js_api
+from hub_ingest.core.config import HubConfig, ServerConfig
+from hub_ingest.core.errors import ReportError
+
+# JetStream's err_code for "stream not found" and "no message found".
+_NOT_FOUND_CODES = (10059, 10037)
+
+
+class HubApi:
+    """Raw JetStream API requests in the hub's domain, answered as plain JSON."""
+
+    def __init__(self, nc: Client, domain: str, timeout: float = 5.0) -> None:
+        self._nc = nc
+        self._prefix = js_api(domain)
+        self._timeout = timeout
+
+    async def request(
+        self, api: str, body: Mapping[str, Any] | None = None
+    ) -> dict[str, Any] | None:
+        """The response to ``<prefix>.<api>``; None when the stream or message does not exist."""
+        payload = json.dumps(body).encode() if body is not None else b""
+        try:
+            msg = await self._nc.request(f"{self._prefix}.{api}", payload, timeout=self._timeout)
+        except nats.errors.NoRespondersError:
+            raise ReportError(
+                f"no JetStream answers on {self._prefix} (wrong hub domain?)"
+            ) from None
+        data: dict[str, Any] = json.loads(msg.data)
+        error = data.get("error")
+        if isinstance(error, dict):
+            if error.get("err_code") in _NOT_FOUND_CODES or error.get("code") == 404:
+                return None
+            raise ReportError(f"{api}: {error.get('description')} (code {error.get('err_code')})")
+        return data
+
+    async def stream_info(self, name: str) -> dict[str, Any] | None:
+        return await self.request(f"STREAM.INFO.{name}")
+
+    async def last_message(self, stream: str, subject: str) -> dict[str, Any] | None:
+        reply = await self.request(f"STREAM.MSG.GET.{stream}", {"last_by_subj": subject})
+        message = (reply or {}).get("message")
+        return message if isinstance(message, dict) else None
+
+
+def leaf_names(base_url: str, timeout: float = 5.0) -> set[str]:
+    """Names of the leaf nodes connected to the hub right now (``/leafz``)."""
+    try:
+        with urllib.request.urlopen(f"{base_url}/leafz", timeout=timeout) as resp:
+            leafz = json.load(resp)
+    except (OSError, ValueError) as exc:
+        raise ReportError(f"hub monitoring endpoint {base_url}: {exc}") from exc
+    return {str(leaf.get("name")) for leaf in leafz.get("leafs") or []}
+
+
+def monitor_url(server: ServerConfig, route: str | None = None) -> str:
+    """Where `server`'s monitoring endpoint answers; a cluster node listening everywhere is
+    reached at its route's host (loopback for a single server)."""
+    host, _, port = server.monitor_listen.rpartition(":")
+    if host in ("0.0.0.0", "::", "[::]", ""):
+        host = "127.0.0.1"
+        if route is not None:
+            host = urllib.parse.urlsplit(route).hostname or host
+    return f"http://{host}:{port}"
+
+
+def monitor_urls(config: HubConfig) -> dict[str, str]:
+    """Every hub server's monitoring endpoint, by server name."""
+    if config.cluster is None:
+        return {config.server.server_name: monitor_url(config.server)}
+    return {n.name: monitor_url(n.server, n.route) for n in config.cluster.nodes}
+
+
+def linked_leaves(urls: Iterable[str], warnings: list[str]) -> set[str] | None:
+    """The leaf nodes linked to any of the hub's servers (a leaf is linked to one); None when
+    no server answered. A server that does not answer is named in `warnings`."""
+    leaves: set[str] = set()
+    answered = False
+    for url in urls:
+        try:
+            leaves |= leaf_names(url)
+            answered = True
+        except ReportError as exc:
+            warnings.append(f"link state unknown: {exc}")
+    return leaves if answered else None
