@@ -26,7 +26,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
 
-from edge_agent.handlers import HandlerContext, builtin_handlers
+from edge_agent.commands.handlers import HandlerContext, builtin_handlers
 from edge_agent.protocol.logs import configure_logging
 from tests.support.cluster import Device, Hub, start_hub
 from tests.support.commands import send_command

@@ -25,9 +25,10 @@ import nats
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
 
-from edge_agent.outbox import Drainer, Outbox
+from edge_agent.core.statedb import StateDB
+from edge_agent.outbox.drain import Drainer
+from edge_agent.outbox.store import Outbox
 from edge_agent.protocol.logs import configure_logging
-from edge_agent.statedb import StateDB
 from hub_ingest.commands.send import ResultReader, event_streams, new_envelope, send
 from hub_ingest.fleet.registry import Registry
 from tests.support.cluster import Device, Hub, start_hub

@@ -3,8 +3,8 @@
 For each mode (``single``: one hub nats-server; ``cluster``: three, every stream R3) one hub
 is grown through `--sizes` simulated devices, next to `--agents` real ones (agent + island,
 in this process). A simulated device is a bare leaf island: a nats-server with the config
-`edge_agent.island` renders, its link open, and its streams and the hub's consumers made by
-`edge_agent.streams.reconcile`, with no agent. At each size:
+`edge_agent.island.server` renders, its link open, and its streams and the hub's consumers made by
+`edge_agent.island.streams.reconcile`, with no agent. At each size:
 
 - ``enrol``: the devices that bring the fleet to the size, enrolled in one `enrol_many` (one
   users-file write, one reload, one provisioning pass); seconds per device added;
@@ -67,14 +67,14 @@ import nats.errors
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
-from edge_agent.config import Config, parse_config
-from edge_agent.island import write_config
+from edge_agent.core.config import Config, parse_config
+from edge_agent.island.server import write_config
+from edge_agent.island.streams import reconcile
 from edge_agent.protocol.errors import MonitorUnavailable
 from edge_agent.protocol.logs import configure_logging
 from edge_agent.protocol.monitor import Monitor
 from edge_agent.protocol.names import COMMAND_MIRROR, EVENTS, OUTBOUND, TELEMETRY
 from edge_agent.protocol.natsserver import ServerProcess
-from edge_agent.streams import reconcile
 from hub_ingest.commands.send import command_status, new_envelope, send
 from hub_ingest.fleet.enrol import Enrolment, enrol, enrol_many
 from hub_ingest.fleet.provision import mirror_name, provision

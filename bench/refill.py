@@ -33,9 +33,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
 
 from bench.slow_link import reading
+from edge_agent.island.streams import incarnations
 from edge_agent.protocol.logs import configure_logging
 from edge_agent.protocol.names import hub_consumer
-from edge_agent.streams import incarnations
 from hub_ingest.fleet.gaps import REFILL_HEADER
 from hub_ingest.local.link import Shape
 from tests.support.cluster import Device, Hub, mirror_live, start_hub

@@ -35,10 +35,11 @@ from nats.js.api import StorageType, StreamConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
 
-from edge_agent.outbox import Drainer, Outbox
+from edge_agent.core.statedb import StateDB
+from edge_agent.outbox.drain import Drainer
+from edge_agent.outbox.store import Outbox
 from edge_agent.protocol.natsserver import ServerProcess
 from edge_agent.protocol.tomlconf import render_sync, sync_policy
-from edge_agent.statedb import StateDB
 from hub_ingest.local.fleet import free_port
 
 BASELINE = "2m"  # nats-server's default sync_interval

@@ -30,29 +30,24 @@ from nats.js import JetStreamContext
 from nats.js.errors import APIError
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential_jitter
 
-from edge_agent.commands import CANCEL_WAIT_S, Executor
-from edge_agent.config import Config
-from edge_agent.errors import OutboxError, ProtocolError
-from edge_agent.fence import CommandFence
-from edge_agent.handlers import Handler, builtin_handlers
-from edge_agent.health import (
-    LinkTracker,
-    Status,
-    collect_status,
-    heartbeat_payload,
-    with_drain_rates,
-    write_clock,
-)
-from edge_agent.hubclock import HubClock
-from edge_agent.island import STOP_TIMEOUT_S, Island
-from edge_agent.ledger import Ledger
-from edge_agent.metrics import write_textfile
-from edge_agent.notify import Notifier
-from edge_agent.outbox import Drainer, Outbox
+from edge_agent.commands.executor import CANCEL_WAIT_S, Executor
+from edge_agent.commands.fence import CommandFence
+from edge_agent.commands.handlers import Handler, builtin_handlers
+from edge_agent.commands.hubclock import HubClock
+from edge_agent.commands.ledger import Ledger
+from edge_agent.commands.resume import FastResume
+from edge_agent.core.config import Config
+from edge_agent.core.errors import OutboxError, ProtocolError
+from edge_agent.core.notify import Notifier
+from edge_agent.core.statedb import StateDB
+from edge_agent.island.link import LinkTracker, write_clock
+from edge_agent.island.server import STOP_TIMEOUT_S, Island
+from edge_agent.island.streams import reconcile
+from edge_agent.outbox.drain import Drainer
+from edge_agent.outbox.store import Outbox
 from edge_agent.protocol.names import EVENTS, command_stream, inbox_prefix
-from edge_agent.resume import FastResume
-from edge_agent.statedb import StateDB
-from edge_agent.streams import reconcile
+from edge_agent.status.health import Status, collect_status, heartbeat_payload, with_drain_rates
+from edge_agent.status.metrics import write_textfile
 
 log = structlog.get_logger(__name__)
 

@@ -14,10 +14,10 @@ from pathlib import Path
 
 from edge_agent import __version__
 from edge_agent.app import Agent
-from edge_agent.config import DEFAULT_CONFIG_PATH, Config, load_config
-from edge_agent.errors import ConfigError, IslandUnavailable, ProtocolError
-from edge_agent.health import Status, collect_status, render_status, with_drain_rates
-from edge_agent.island import (
+from edge_agent.core.config import DEFAULT_CONFIG_PATH, Config, load_config
+from edge_agent.core.errors import ConfigError, IslandUnavailable, ProtocolError
+from edge_agent.core.statedb import StateDB
+from edge_agent.island.server import (
     open_link,
     pid_file,
     read_seed,
@@ -25,13 +25,13 @@ from edge_agent.island import (
     wait_healthy,
     write_config,
 )
-from edge_agent.metrics import exposition
-from edge_agent.outbox import Outbox, check_subject
+from edge_agent.outbox.store import Outbox, check_subject
 from edge_agent.protocol.cliconfig import config_option
 from edge_agent.protocol.logs import LOG_LEVELS, configure_logging
 from edge_agent.protocol.monitor import Monitor
 from edge_agent.protocol.natsserver import check_version, resolve_nats_server
-from edge_agent.statedb import StateDB
+from edge_agent.status.health import Status, collect_status, render_status, with_drain_rates
+from edge_agent.status.metrics import exposition
 
 EXIT_OK, EXIT_UNHEALTHY, EXIT_USAGE = 0, 1, 2
 # `agent.restart` ends the daemon with this (EX_TEMPFAIL); systemd's Restart= starts it again.

@@ -10,8 +10,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from edge_agent.health import collect_status
-from edge_agent.outbox import Outbox
+from edge_agent.outbox.store import Outbox
+from edge_agent.status.health import collect_status
 from hub_ingest.fleet.registry import Registry
 from hub_ingest.report.collect import collect_report
 from tests.support.cluster import Hub, run_cli, write_agent_config

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from pyspark.sql import SparkSession
 
-from edge_agent.health import collect_status
+from edge_agent.status.health import collect_status
 from hub_ingest.commands.send import Envelope
 from tests.support.agent_process import AgentProcess
 from tests.support.cluster import Device, Hub, write_agent_config

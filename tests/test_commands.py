@@ -10,8 +10,8 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from edge_agent.handlers import HandlerContext, builtin_handlers
-from edge_agent.health import collect_status
+from edge_agent.commands.handlers import HandlerContext, builtin_handlers
+from edge_agent.status.health import collect_status
 from hub_ingest.local.fleet import write_hub_toml
 from tests.support.cluster import (
     Device,

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from edge_agent.cli import main
-from edge_agent.config import Config, load_config, parse_config
-from edge_agent.errors import ConfigError
-from edge_agent.island import check_config, leaf_reconnect, render_config
+from edge_agent.core.config import Config, load_config, parse_config
+from edge_agent.core.errors import ConfigError
+from edge_agent.island.server import check_config, leaf_reconnect, render_config
 from hub_ingest.fleet.auth import new_seed
 from tests.support.cluster import NATS_SERVER, run_cli
 

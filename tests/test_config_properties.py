@@ -7,8 +7,8 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from edge_agent.config import Config, parse_config
-from edge_agent.errors import ConfigError
+from edge_agent.core.config import Config, parse_config
+from edge_agent.core.errors import ConfigError
 
 KEYS = {
     "": ["device_id", "agent", "island", "hub", "streams", "extra"],

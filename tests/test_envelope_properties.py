@@ -10,8 +10,8 @@ from typing import Any
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from edge_agent.commands import Command, Incoming, command_id, parse_command
-from edge_agent.errors import CommandRefused
+from edge_agent.commands.parse import Command, Incoming, command_id, parse_command
+from edge_agent.core.errors import CommandRefused
 
 DEVICE = "a"
 MAX_PAYLOAD = 4096

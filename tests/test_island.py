@@ -15,8 +15,8 @@ from pathlib import Path
 import nats
 
 from edge_agent.app import Agent
-from edge_agent.health import collect_status
-from edge_agent.island import pid_file
+from edge_agent.island.server import pid_file
+from edge_agent.status.health import collect_status
 from tests.support.cluster import (
     NATS_SERVER,
     Hub,

@@ -18,7 +18,7 @@ from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, ExternalStream, StreamConfig, StreamSource
 from nats.js.errors import NotFoundError, ServiceUnavailableError
 
-from edge_agent.island import read_seed
+from edge_agent.island.server import read_seed
 from edge_agent.protocol.names import inbox_prefix
 from edge_agent.protocol.natsserver import ServerProcess
 from hub_ingest.commands.send import command_status

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from edge_agent.app import shutdown_budget
-from edge_agent.config import load_config
-from edge_agent.health import collect_status
-from edge_agent.outbox import Outbox
+from edge_agent.core.config import load_config
+from edge_agent.core.statedb import StateDB
+from edge_agent.outbox.store import Outbox
 from edge_agent.protocol.natsserver import ServerProcess
-from edge_agent.statedb import StateDB
+from edge_agent.status.health import collect_status
 from tests.support.agent_process import AgentProcess
 from tests.support.cluster import Hub, run_cli, stream_messages, write_agent_config
 from tests.support.commands import counter_program, results, runs, send_command

@@ -16,13 +16,14 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.api import StreamConfig
 
-from edge_agent.errors import OutboxFull
-from edge_agent.health import collect_status
-from edge_agent.ledger import Ledger
-from edge_agent.outbox import Drainer, Outbox
+from edge_agent.commands.ledger import Ledger
+from edge_agent.core.errors import OutboxFull
+from edge_agent.core.statedb import StateDB
+from edge_agent.outbox.drain import Drainer
+from edge_agent.outbox.store import Outbox
 from edge_agent.protocol.envelope import Result
 from edge_agent.protocol.natsserver import ServerProcess
-from edge_agent.statedb import StateDB
+from edge_agent.status.health import collect_status
 from hub_ingest.fleet.registry import Registry
 from hub_ingest.report.collect import collect_report
 from tests.support.cluster import Hub, free_port, run_cli, stream_messages

@@ -8,8 +8,8 @@ import json
 from nats.aio.msg import Msg
 from pyspark.sql import SparkSession
 
+from edge_agent.island.streams import incarnations
 from edge_agent.protocol.names import hub_consumer
-from edge_agent.streams import incarnations
 from hub_ingest.archive.audit import Gap, audit_archive, missing_range
 from hub_ingest.fleet.gaps import REFILL_HEADER, MirrorGaps, healed, read_gaps
 from hub_ingest.fleet.registry import Registry

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 from pyspark.sql import SparkSession
 
-from edge_agent.health import collect_status
 from edge_agent.protocol.names import ISLAND_CONSUMER, command_stream
+from edge_agent.status.health import collect_status
 from hub_ingest.archive.audit import audit_archive
 from hub_ingest.commands.send import command_status
 from hub_ingest.fleet.registry import Registry

@@ -1,9 +1,9 @@
 """Data flows again within seconds of a link's return, whatever the outage.
 
 Stock nats-server resumes a mirror 10-40 s after a long cut (or a hub restart); the mirrors
-here are bound to durable consumers (see `edge_agent.streams`, `hub_ingest.fleet.provision`), so
-both directions must resume well inside that. Deadlines, not timings: the bench
-(`bench/link_resume.py`) measures how fast.
+here are bound to durable consumers (see `edge_agent.island.streams`,
+`hub_ingest.fleet.provision`), so both directions must resume well inside that. Deadlines,
+not timings: the bench (`bench/link_resume.py`) measures how fast.
 """
 
 from __future__ import annotations

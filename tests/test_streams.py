@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from edge_agent.config import StreamBudget
-from edge_agent.streams import reconcile
+from edge_agent.core.config import StreamBudget
+from edge_agent.island.streams import reconcile
 from tests.support.cluster import Hub
 
 

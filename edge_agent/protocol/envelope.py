@@ -75,6 +75,6 @@ RAN = ("ok", "error")  # result statuses of a command that ran; the others did n
 def supersedes(new_status: object, old_status: object) -> bool:
     """Whether a later result of a command on a device replaces the one already seen: only an
     answer from a run replaces an answer that it did not run. A re-imaged device answers the
-    commands its previous incarnation may have run "rejected" (see `edge_agent.fence`), and
+    commands its previous incarnation may have run "rejected" (see `edge_agent.commands.fence`), and
     that must not hide the real result."""
     return new_status in RAN and old_status not in RAN

@@ -84,5 +84,5 @@ def hub_deliver_subject(device_id: str, incarnation: str, device_stream: str) ->
 
 
 def fence_key(incarnation: str) -> str:
-    """``CMD_<id>`` metadata key of an incarnation's command fence (see `edge_agent.fence`)."""
+    """``CMD_<id>`` metadata key of an incarnation's command fence (`edge_agent.commands.fence`)."""
     return f"fence.{incarnation}"

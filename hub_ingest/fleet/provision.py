@@ -181,7 +181,7 @@ def device_commands(config: HubConfig, device: Device) -> StreamConfig:
 
 def island_consumer(device: Device) -> ConsumerConfig:
     """The consumer on ``CMD_<id>`` that the island's ``COMMANDS`` mirror binds to (see
-    `edge_agent.streams`); it delivers under a prefix only that device may read."""
+    `edge_agent.island.streams`); it delivers under a prefix only that device may read."""
     return mirror_consumer(ISLAND_CONSUMER, island_deliver_subject(device.device_id), MANAGED_BY)
 
 

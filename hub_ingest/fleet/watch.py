@@ -1,7 +1,7 @@
 """Device incarnations: a re-imaged device is noticed, and mirrored afresh, by itself.
 
 A device that is re-imaged (same id and key, empty store) starts its streams again at
-sequence 1 with new incarnation ids (`edge_agent.streams`). A stock mirror would drop every
+sequence 1 with new incarnation ids (`edge_agent.island.streams`). A stock mirror would drop every
 new message whose sequence is not above its last one, silently. Here each incarnation has its
 own hub mirror, bound to the durable consumer the device made for that incarnation: the old
 mirror keeps what it had (its consumer died with the old store, so it can take nothing new)

@@ -82,7 +82,7 @@ def _beat_figure(heartbeat: Mapping[str, Any] | None, *path: str) -> int | None:
 
 
 def _beat_uplinks(heartbeat: Mapping[str, Any] | None) -> dict[str, dict[str, Any]]:
-    """Each stream's ``uplink`` block of a heartbeat (see `edge_agent.health.Uplink`)."""
+    """Each stream's ``uplink`` block of a heartbeat (see `edge_agent.status.health.Uplink`)."""
     streams = (_beat_body(heartbeat) or {}).get("streams")
     if not isinstance(streams, dict):
         return {}

@@ -26,10 +26,10 @@ import nats.errors
 from nats.aio.msg import Msg
 from nats.js.errors import APIError
 
-from edge_agent.health import collect_status
-from edge_agent.island import pid_file
+from edge_agent.island.server import pid_file
+from edge_agent.island.streams import incarnations
 from edge_agent.protocol.names import TELEMETRY, hub_consumer
-from edge_agent.streams import incarnations
+from edge_agent.status.health import collect_status
 from hub_ingest.commands.send import Envelope, new_envelope, send
 from hub_ingest.fleet.gaps import REFILL_HEADER
 from hub_ingest.fleet.registry import Registry

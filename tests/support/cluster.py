@@ -22,8 +22,8 @@ from nats.js import JetStreamContext
 from nats.js.api import RawStreamMsg
 
 from edge_agent.app import Agent
-from edge_agent.config import Config, parse_config
-from edge_agent.handlers import Handler
+from edge_agent.commands.handlers import Handler
+from edge_agent.core.config import Config, parse_config
 from edge_agent.protocol.monitor import Monitor
 from edge_agent.protocol.natsserver import resolve_nats_server
 from edge_agent.protocol.tomlconf import format_sync

@@ -13,10 +13,10 @@ import sqlite3
 from dataclasses import dataclass, replace
 from typing import Any
 
-from edge_agent.errors import TooLarge
-from edge_agent.outbox import Outbox
+from edge_agent.core.errors import TooLarge
+from edge_agent.core.statedb import FENCE_KEY, StateDB
+from edge_agent.outbox.store import Outbox
 from edge_agent.protocol.envelope import Result
-from edge_agent.statedb import FENCE_KEY, StateDB
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,7 +35,7 @@ class CommandStats:
     rejected: int
     expired: int
     running: int
-    # Commands up to this hub sequence are answered, not run (see `edge_agent.fence`); None
+    # Commands up to this hub sequence are answered, not run (see `edge_agent.commands.fence`); None
     # while a fresh ledger waits for the hub to set it: no command runs meanwhile.
     fence: int | None = None
 

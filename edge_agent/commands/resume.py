@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 
 import nats.errors
 import structlog
@@ -22,16 +23,25 @@ from nats.js import JetStreamContext
 from nats.js.api import RawStreamMsg
 from nats.js.errors import APIError, NotFoundError
 
-from edge_agent.commands import Executor, Incoming
-from edge_agent.config import Config
-from edge_agent.health import LinkTracker
-from edge_agent.metrics import ResumeFigures
+from edge_agent.commands.executor import Executor
+from edge_agent.commands.parse import Incoming
+from edge_agent.core.config import Config
+from edge_agent.island.link import LinkTracker
 from edge_agent.protocol.names import COMMAND_MIRROR, command_stream
 
 log = structlog.get_logger(__name__)
 
 # A mirror that heard from the hub this recently is live (it gets heartbeats every second).
 MIRROR_LIVE_S = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class ResumeFigures:
+    """What fast resume did after the link last came up (only the running agent knows)."""
+
+    resumes: int
+    last_duration_s: float | None
+    last_commands: int
 
 
 class FastResume:

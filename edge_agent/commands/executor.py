@@ -4,7 +4,7 @@ For each message, in order and one at a time:
 
 1. find its ledger key (the envelope ``id``, else the ``Nats-Msg-Id`` header, else
    ``@seq:<n>``) and skip it if the ledger has it: redeliveries, the fast-resume path
-   (`edge_agent.resume`) and the mirror all hand in the same commands;
+   (`edge_agent.commands.resume`) and the mirror all hand in the same commands;
 2. validate the envelope ``{id, type, args, issued_at, expires_at}``; an expired command
    gets an ``expired`` result, a malformed, oversized, unknown-type or wrong-device one a
    ``rejected`` result naming the field;
@@ -19,13 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from dataclasses import dataclass
-from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import Any
 
 import nats.errors
 import structlog
@@ -35,13 +31,21 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import APIError
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential_jitter
 
-from edge_agent.config import Config
-from edge_agent.errors import CommandFailed, CommandRefused
-from edge_agent.fence import CommandFence
-from edge_agent.handlers import Handler, HandlerContext
-from edge_agent.hubclock import HubClock
-from edge_agent.ledger import Ledger
-from edge_agent.protocol.envelope import BROADCAST, Result, ResultStatus
+from edge_agent.commands.fence import CommandFence
+from edge_agent.commands.handlers import Handler, HandlerContext
+from edge_agent.commands.hubclock import HubClock
+from edge_agent.commands.ledger import Ledger
+from edge_agent.commands.parse import (
+    Command,
+    Incoming,
+    check_fence,
+    command_id,
+    parse_command,
+    subject_type,
+)
+from edge_agent.core.config import Config
+from edge_agent.core.errors import CommandFailed, CommandRefused
+from edge_agent.protocol.envelope import Result, ResultStatus
 from edge_agent.protocol.names import COMMAND_MIRROR
 from edge_agent.protocol.units import utc_now_iso
 
@@ -52,127 +56,7 @@ CONSUMER = "edge-agent"
 # fault: e.g. a full disk), the message is answered with an error and acked, not retried.
 MAX_DELIVERIES = 5
 CANCEL_WAIT_S = 5.0  # for a cancelled handler to wind up, at shutdown
-_ID_RE = re.compile(r"^[^@\s][^\s]{0,127}$")
 _TRANSIENT = (nats.errors.Error, APIError, OSError)
-
-
-@dataclass(frozen=True, slots=True)
-class Incoming:
-    """A command message as read from the mirror or straight from the hub."""
-
-    seq: int  # the sequence in the hub's CMD_<id>: the mirror keeps its origin's numbers
-    subject: str
-    data: bytes
-    headers: Mapping[str, str]
-    via: Literal["mirror", "hub"]
-    stored_at: datetime | None = None  # the hub's store time (a mirror keeps it too)
-
-
-@dataclass(frozen=True, slots=True)
-class Command:
-    id: str
-    type: str
-    args: dict[str, Any]
-    issued_at: datetime
-    expires_at: datetime | None
-    device_id: str  # the target: this device's id, or BROADCAST
-
-
-def _subject_type(item: Incoming) -> str | None:
-    return [*item.subject.split(".", 2), "", ""][2] or None
-
-
-def _time(field: str, value: object) -> datetime:
-    if not isinstance(value, str):
-        raise CommandRefused(field, f"expected an ISO-8601 time string, got {value!r}")
-    try:
-        parsed = datetime.fromisoformat(value)
-    except ValueError:
-        raise CommandRefused(field, f"expected an ISO-8601 time, got {value!r}") from None
-    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
-
-
-def _envelope(item: Incoming, max_payload: int) -> dict[str, Any]:
-    if len(item.data) > max_payload:
-        raise CommandRefused(
-            "payload", f"{len(item.data)} bytes, more than commands.max_payload ({max_payload})"
-        )
-    try:
-        body = json.loads(item.data)
-    except ValueError as exc:
-        raise CommandRefused("payload", f"not JSON ({exc})") from None
-    except RecursionError:  # e.g. 4,000 nested "[": fits max_payload, too deep for json
-        raise CommandRefused("payload", "JSON nested too deeply") from None
-    if not isinstance(body, dict):
-        raise CommandRefused("payload", f"expected a JSON object, got {type(body).__name__}")
-    return body
-
-
-def command_id(item: Incoming, max_payload: int) -> str | None:
-    """The command's id if one can be found, even in an envelope that is otherwise wrong."""
-    with contextlib.suppress(CommandRefused):
-        value = _envelope(item, max_payload).get("id")
-        if isinstance(value, str) and _ID_RE.match(value):
-            return value
-    header = item.headers.get("Nats-Msg-Id")
-    return header if header and _ID_RE.match(header) else None
-
-
-def parse_command(
-    item: Incoming,
-    device_id: str,
-    max_payload: int,
-    known: Mapping[str, object],
-    now: datetime | None,
-) -> Command:
-    """The validated command, or `CommandRefused` naming the first field that is wrong.
-
-    `now` is the hub's time (`edge_agent.hubclock`), never the device's clock alone; None
-    (nothing heard from the hub) expires nothing."""
-    body = _envelope(item, max_payload)
-    if "id" not in body:
-        raise CommandRefused("id", "missing")
-    if not isinstance(body["id"], str) or not _ID_RE.match(body["id"]):
-        raise CommandRefused("id", f"expected 1-128 printable characters, got {body['id']!r}")
-    type_ = body.get("type")
-    if not isinstance(type_, str) or not type_:
-        raise CommandRefused("type", f"expected a non-empty string, got {type_!r}")
-    _, target, subject_type = [*item.subject.split(".", 2), "", ""][:3]
-    if target not in (device_id, BROADCAST):
-        raise CommandRefused("subject", f"{item.subject} is not for this device ({device_id})")
-    if subject_type != type_:
-        raise CommandRefused("type", f"{type_!r} does not match the subject {item.subject}")
-    addressed = body.get("device_id", target)
-    if addressed != target:
-        raise CommandRefused("device_id", f"command for {addressed!r}, this is {device_id!r}")
-    args = body.get("args", {})
-    if not isinstance(args, dict):
-        raise CommandRefused("args", f"expected an object, got {args!r}")
-    if "issued_at" not in body:
-        raise CommandRefused("issued_at", "missing")
-    issued_at = _time("issued_at", body["issued_at"])
-    expires_at = _time("expires_at", body["expires_at"]) if body.get("expires_at") else None
-    if expires_at is not None and now is not None and expires_at <= now:
-        raise CommandRefused(
-            "expires_at",
-            f"expired at {expires_at.isoformat()}, received at "
-            f"{now.isoformat(timespec='seconds')} on the hub's clock",
-            status="expired",
-        )
-    if type_ not in known:
-        raise CommandRefused(
-            "type", f"unknown command type {type_!r} (known: {', '.join(sorted(known))})"
-        )
-    return Command(body["id"], type_, args, issued_at, expires_at, target)
-
-
-def _check_fence(item: Incoming, fence: int) -> None:
-    if item.seq <= fence:
-        raise CommandRefused(
-            "seq",
-            f"device re-imaged: command {item.seq} was issued before this incarnation "
-            f"(fence {fence}) and may have run on the previous one; not run",
-        )
 
 
 class Executor:
@@ -209,7 +93,7 @@ class Executor:
         return self._stopping
 
     async def fence(self) -> int:
-        """This incarnation's command fence, once known (see `edge_agent.fence`)."""
+        """This incarnation's command fence, once known (see `edge_agent.commands.fence`)."""
         await self._fence.known.wait()
         return self._fence.value
 
@@ -304,7 +188,7 @@ class Executor:
         result = self._result(
             item,
             cid,
-            _subject_type(item),
+            subject_type(item),
             status="error",
             error=f"not processed: {exc!r}",
             started_at=now,
@@ -333,7 +217,7 @@ class Executor:
                 self._clock.saw(item.stored_at)
             now = self._clock.now()
             try:
-                _check_fence(item, self._fence.value)
+                check_fence(item, self._fence.value)
                 command = parse_command(
                     item, self._config.device_id, max_payload, self._handlers, now
                 )
@@ -341,7 +225,7 @@ class Executor:
                 result = self._result(
                     item,
                     cid,
-                    _subject_type(item),
+                    subject_type(item),
                     status=refusal.status,
                     error=str(refusal),
                     started_at=received,

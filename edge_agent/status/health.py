@@ -9,36 +9,29 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import sqlite3
 import time
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 import structlog
 
-from edge_agent.config import Config
-from edge_agent.island import quarantine_dir, quarantined
-from edge_agent.ledger import CommandStats
-from edge_agent.ledger import read_stats as read_command_stats
-from edge_agent.outbox import OutboxStats
-from edge_agent.outbox import read_stats as read_outbox_stats
+from edge_agent.commands.ledger import CommandStats
+from edge_agent.commands.ledger import read_stats as read_command_stats
+from edge_agent.core.config import Config
+from edge_agent.core.statedb import open_readonly
+from edge_agent.island.link import LinkState, clock_path, link_path, read_json
+from edge_agent.island.server import quarantine_dir, quarantined
+from edge_agent.outbox.store import OutboxStats
+from edge_agent.outbox.store import read_stats as read_outbox_stats
 from edge_agent.protocol.errors import MonitorUnavailable
 from edge_agent.protocol.monitor import Monitor
 from edge_agent.protocol.names import COMMAND_MIRROR, EVENTS, INCARNATION, TELEMETRY, hub_consumer
 from edge_agent.protocol.units import parse_time, utc_now_iso
-from edge_agent.statedb import open_readonly
 
 log = structlog.get_logger(__name__)
 
 BUDGET_WARN_PCT = 90.0
-
-
-@dataclass(frozen=True, slots=True)
-class LinkState:
-    up: bool
-    since: str | None  # ISO-8601 UTC of the last change the agent saw, None if unknown
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +86,7 @@ class Status:
     problems: list[str] = field(default_factory=list)
     checked_at: str = ""
     # Hub minus device clock at the agent's last sync with the hub (None: not synced since the
-    # agent started); see `edge_agent.hubclock`.
+    # agent started); see `edge_agent.commands.hubclock`.
     clock_offset_s: float | None = None
     # Island streams a power cut damaged beyond repair, set aside by the agent (see
     # `Island._set_aside`): what they held that had not reached the hub is lost.
@@ -107,56 +100,6 @@ class Status:
         out = asdict(self)
         out["healthy"] = self.healthy
         return out
-
-
-def clock_path(config: Config) -> Path:
-    """Where the agent keeps its last clock sync with the hub, for ``status``."""
-    return config.agent.state_dir / "clock.json"
-
-
-def write_clock(config: Config, offset_s: float | None) -> None:
-    _write_json(clock_path(config), {"offset_s": offset_s, "synced_at": utc_now_iso()})
-
-
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data), encoding="utf-8")
-    tmp.replace(path)
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
-class LinkTracker:
-    """Remembers when the leaf link last went up or down, for ``status`` and heartbeats."""
-
-    def __init__(self, config: Config, monitor: Monitor) -> None:
-        self._path = config.agent.state_dir / "link.json"
-        self._monitor = monitor
-        self.state = LinkState(False, None)
-        # For tasks that act on a change (fast resume): exactly one of the two is set.
-        self.is_up = asyncio.Event()
-        self.is_down = asyncio.Event()
-        self.is_down.set()
-
-    async def poll(self) -> LinkState:
-        try:
-            up = await self._monitor.leaf_connected()
-        except MonitorUnavailable:
-            up = False
-        if up != self.state.up or self.state.since is None:
-            self.state = LinkState(up, utc_now_iso())
-            _write_json(self._path, asdict(self.state))
-            log.info("link_restored" if up else "link_lost", since=self.state.since)
-        (self.is_up if up else self.is_down).set()
-        (self.is_down if up else self.is_up).clear()
-        return self.state
 
 
 def _uplink(detail: dict[str, Any], incarnation: str | None) -> Uplink | None:
@@ -268,8 +211,8 @@ def _local_state(config: Config) -> tuple[OutboxStats, CommandStats] | None:
 async def collect_status(config: Config, monitor: Monitor | None = None) -> Status:
     """Read the island's state into a `Status`; never raises for an island that is down."""
     monitor = monitor or Monitor(config.island.monitor_url)
-    saved = _read_json(config.agent.state_dir / "link.json")
-    clock = (_read_json(clock_path(config)) or {}).get("offset_s")
+    saved = read_json(link_path(config))
+    clock = (read_json(clock_path(config)) or {}).get("offset_s")
     offset = float(clock) if isinstance(clock, int | float) else None
     local = await asyncio.to_thread(_local_state, config)
     box, cmds = local if local else (None, None)

@@ -36,7 +36,7 @@ from nats.js.api import (
 )
 from nats.js.errors import APIError, NotFoundError
 
-from edge_agent.config import Config, StreamBudget
+from edge_agent.core.config import Config, StreamBudget
 from edge_agent.protocol.errors import StreamError
 from edge_agent.protocol.names import (
     COMMAND_MIRROR,
@@ -133,7 +133,7 @@ CONSUMER_NOT_FOUND = 10014  # JetStream's err_code
 
 async def reset_hub_consumers(nc: Client) -> list[str]:
     """Reset each consumer a hub mirror binds to back to its acknowledgement floor, as the
-    hub's mirror itself does when it binds (see `edge_agent.island.open_link` for why the
+    hub's mirror itself does when it binds (see `edge_agent.island.server.open_link` for why the
     island does it first); returns the consumers reset."""
     reset = []
     for stream, incarnation in (await incarnations(nc.jetstream())).items():

@@ -17,9 +17,9 @@ from typing import Any
 
 import aiosqlite
 
-from edge_agent.errors import OutboxError
+from edge_agent.core.errors import OutboxError
 
-# `meta` key of the command fence (see `edge_agent.fence`).
+# `meta` key of the command fence (see `edge_agent.commands.fence`).
 FENCE_KEY = "command_fence"
 
 SCHEMA = """

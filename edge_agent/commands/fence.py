@@ -3,9 +3,10 @@
 At-most-once rests on the ledger. A device that is re-imaged (or whose agent state is lost)
 starts with an empty ledger, while the hub still keeps commands the old incarnation ran (its
 command mirror brings back those after the hub's consumer position, and fast resume,
-`edge_agent.resume`, reads the ones at or below the fence). So an agent with an empty ledger runs no
-command until it knows its *fence*: commands at or below it in ``CMD_<id>`` are answered
-``rejected`` ("issued before this incarnation, not run") and never run.
+`edge_agent.commands.resume`, reads the ones at or below the fence). So an agent with an
+empty ledger runs no command until it knows its *fence*: commands at or below it in
+``CMD_<id>`` are answered ``rejected`` ("issued before this incarnation, not run") and never
+run.
 
 - The hub sets the fence of each incarnation when it first sees it (`hub_ingest.fleet.watch`):
   0 for a device's first incarnation (a new device runs what was queued for it), else the
@@ -27,10 +28,10 @@ import structlog
 from nats.js import JetStreamContext
 from nats.js.errors import APIError
 
-from edge_agent.health import LinkTracker
+from edge_agent.core.statedb import FENCE_KEY, StateDB
+from edge_agent.island.link import LinkTracker
+from edge_agent.island.streams import incarnations
 from edge_agent.protocol.names import COMMAND_MIRROR, EVENTS, command_stream, fence_key
-from edge_agent.statedb import FENCE_KEY, StateDB
-from edge_agent.streams import incarnations
 
 log = structlog.get_logger(__name__)
 

@@ -25,20 +25,20 @@ import nats.errors
 import structlog
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_exponential_jitter
 
-from edge_agent.config import Config
-from edge_agent.errors import (
+from edge_agent.core.config import Config
+from edge_agent.core.errors import (
     ConfigError,
     IslandError,
     IslandUnavailable,
     StoreDamaged,
     is_retriable,
 )
+from edge_agent.island.streams import reset_hub_consumers
 from edge_agent.protocol.errors import MonitorUnavailable, StreamError
 from edge_agent.protocol.monitor import Monitor
 from edge_agent.protocol.natsserver import check_version, resolve_nats_server
 from edge_agent.protocol.tomlconf import render_sync
 from edge_agent.protocol.units import utc_now_iso
-from edge_agent.streams import reset_hub_consumers
 
 log = structlog.get_logger(__name__)
 

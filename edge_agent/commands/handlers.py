@@ -15,8 +15,8 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from edge_agent.config import Config
-from edge_agent.errors import CommandFailed, CommandRefused
+from edge_agent.core.config import Config
+from edge_agent.core.errors import CommandFailed, CommandRefused
 from edge_agent.protocol.units import utc_now_iso
 
 # systemd's variables are for the agent alone: a program started by `exec` must not be able

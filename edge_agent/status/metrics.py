@@ -6,23 +6,13 @@ Built from the same `Status` as ``status`` and the heartbeat, so the three never
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Gauge, generate_latest, write_to_textfile
 
-from edge_agent.health import Status
+from edge_agent.commands.resume import ResumeFigures
 from edge_agent.protocol.units import parse_time
-
-
-@dataclass(frozen=True, slots=True)
-class ResumeFigures:
-    """What fast resume did after the link last came up (only the running agent knows)."""
-
-    resumes: int
-    last_duration_s: float | None
-    last_commands: int
-
+from edge_agent.status.health import Status
 
 Figure = tuple[str, str, float | None]  # name, help text, value (None: left out)
 

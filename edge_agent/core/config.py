@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from edge_agent.errors import ConfigError
+from edge_agent.core.errors import ConfigError
 from edge_agent.protocol.names import island_name, js_api
 from edge_agent.protocol.tomlconf import (
     Section,
