@@ -111,6 +111,37 @@ async def test_a_mirror_skip_is_refilled_from_the_island_once(
     ] * 2
 
 
+async def test_a_skip_at_the_mirrors_tail_is_refilled_before_the_device_publishes_again(
+    hub: Hub,
+) -> None:
+    """The island consumer's floor moves past every reading the hub lacks (6..10) and the
+    device then stays quiet: the mirror receives nothing, so it shows no deleted sequence. The
+    watcher compares the mirror's tail with the island's floor and refills 6..10; the next
+    reading makes the mirror skip them, and nothing is refilled twice."""
+    a = await hub.device("a", heartbeat_interval="1s")
+    mirror = await _skip(hub, a, floor=11, before_restore=True)
+    a.proxy.restore()
+
+    async def rows(n: int) -> list[tuple[int, bytes, bool]] | None:
+        got = await _aggregate_rows(hub)
+        return got if len(got) >= n else None
+
+    got = await eventually(lambda: rows(10), timeout=RESUME_TIMEOUT, what="the tail refilled")
+    assert sorted((seq, refilled) for seq, _, refilled in got) == [(n, n > 5) for n in range(1, 11)]
+    assert (await hub.js.stream_info(mirror)).state.last_seq == 5
+    await a.js.publish("tele.temp", b"10")
+    got = await eventually(lambda: rows(11), timeout=RESUME_TIMEOUT, what="reading 11")
+
+    async def checked() -> MirrorGaps | None:
+        record = await _record(hub, mirror)
+        info = await hub.js.stream_info(mirror)
+        return record if record and info.state.num_deleted == 5 else None
+
+    record = await eventually(checked, timeout=30, what="the skip seen by the mirror")
+    assert (record.refilled, record.lost, record.pending) == (5, {}, [])
+    assert sorted(seq for seq, _, _ in await _aggregate_rows(hub)) == list(range(1, 12))
+
+
 async def test_what_the_island_no_longer_holds_is_lost_with_its_reason(hub: Hub) -> None:
     """Of the skipped 6..8, the island's budget took 6 and 7 (purged below 8) before the link
     came back: those are lost as ``evicted``, 8 is refilled; evictions are the budget's

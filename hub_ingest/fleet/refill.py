@@ -53,7 +53,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import APIError, KeyNotFoundError
 from nats.js.kv import KeyValue
 
-from edge_agent.protocol.names import INCARNATION, hub_reply_prefix, js_api
+from edge_agent.protocol.names import INCARNATION, hub_consumer, hub_reply_prefix, js_api
 from edge_agent.protocol.units import utc_now_iso
 from hub_ingest.core.buckets import open_bucket
 from hub_ingest.core.config import HubConfig
@@ -82,6 +82,7 @@ WINDOW = 2
 BATCH_BYTES = 1 << 20
 ASK_TIMEOUT = 2.0  # for the island's stream info: an offline island costs this
 READ_TIMEOUT = 10.0  # between two messages of a batch, on the slowest links
+TAIL_S = 30.0  # a linked device's mirror tail is compared with its island's floor this often
 RETRY_S = 30.0  # a pending gap is tried again this often even if its device is not linked here
 CONCURRENT = 8  # mirrors healed at once (an offline island costs a timeout)
 _WRONG_LAST_SEQUENCE = 10071  # the subject has a message: this sequence was refilled before
@@ -113,6 +114,9 @@ class Refiller:
     pending: dict[str, float] = field(default_factory=dict)
     # aggregate → its deleted sequences whose rows were put back (or were nobody's)
     aggregate_done: dict[str, set[int]] = field(default_factory=dict)
+    # mirror → when its tail was last compared with the island consumer's floor (monotonic)
+    tail_checked: dict[str, float] = field(default_factory=dict)
+    _linked: set[str] = field(default_factory=set)
     _kv: KeyValue | None = None
     _next: float = 0.0
 
@@ -158,12 +162,59 @@ class Refiller:
                 self.pending.pop(name, None)
 
         await asyncio.gather(*(heal(name, state) for name, state in due))
+        await self._check_tails(mirrors, linked, now)
 
-    async def heal(self, target: Target) -> MirrorGaps:
-        """Refill what `target`'s mirror skipped; record and return what became of it."""
+    async def _check_tails(
+        self, mirrors: Mapping[str, Target], linked: set[str], now: float
+    ) -> None:
+        """A skip at a mirror's tail shows no deleted sequence until the device publishes
+        again: compare the tail of each linked device's mirrors with its island consumer's
+        floor, when the device links and every `TAIL_S` after."""
+        for name, target in mirrors.items():
+            if target.device.device_id in linked - self._linked:
+                self.tail_checked.pop(name, None)
+        self._linked = set(linked)
+        due = [
+            target
+            for name, target in mirrors.items()
+            if target.device.device_id in linked
+            and now - self.tail_checked.get(name, now - TAIL_S) >= TAIL_S
+        ]
+        limit = asyncio.Semaphore(CONCURRENT)
+
+        async def check(target: Target) -> None:
+            async with limit:
+                await self._check_tail(target)
+            self.tail_checked[target.mirror] = time.monotonic()
+
+        await asyncio.gather(*(check(target) for target in due))
+
+    async def _check_tail(self, target: Target) -> None:
+        """Refill what lies between the mirror's last sequence and the island consumer's
+        acknowledgement floor. The floor moves only on the hub's acknowledgement, sent once the
+        hub has stored a message, so a floor above the mirror's last sequence (read after the
+        floor) is a range the mirror will never be sent."""
+        subject = (
+            f"{target.device.api_prefix}.CONSUMER.INFO."
+            f"{target.incarnation.stream}.{hub_consumer(target.incarnation.id)}"
+        )
+        try:
+            [reply] = await _ask(self.nc, target.device, subject, {}, timeout=ASK_TIMEOUT)
+        except (nats.errors.Error, TimeoutError, ValueError):
+            return  # the island did not answer: tried again later
+        info = json.loads(reply.data)
+        floor = int(((info.get("ack_floor") or {}).get("stream_seq")) or 0)
+        last = (await self.js.stream_info(target.mirror)).state.last_seq
+        if floor > last:
+            log.warning("mirror_tail_skipped", mirror=target.mirror, first=last + 1, last=floor)
+            await self.heal(target, set(range(last + 1, floor + 1)))
+
+    async def heal(self, target: Target, tail: set[int] | None = None) -> MirrorGaps:
+        """Refill what `target`'s mirror skipped (and the sequences of a skipped `tail`);
+        record and return what became of it."""
         assert self._kv is not None
         before = await self._record(target)
-        deleted = await _deleted(self.nc, self.api, target.mirror)
+        deleted = await _deleted(self.nc, self.api, target.mirror) | (tail or set())
         done = await refilled_seqs(self.js, target.mirror)
         lost = {reason: expand(r) for reason, r in before.lost.items()}
         kept = expand(before.kept)
