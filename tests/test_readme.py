@@ -1,9 +1,17 @@
-"""The README's analyst lines, run as written: readings per device per hour with pandas,
-pyarrow, Polars, DuckDB and Spark, all giving the same counts."""
+"""Every code block of the README and of `docs/`, checked so that no page can rot: the
+analysts' lines run as written (readings per device per hour with pandas, pyarrow, Polars,
+DuckDB and Spark, all giving the same counts; the README tour's query), every TOML block is
+read by the config parser it is for, and every ``edge-agent`` / ``hub-ingest`` line is parsed
+by the command line itself."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import re
+import shlex
+import tomllib
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -11,19 +19,34 @@ from typing import Any
 import pytest
 from pyspark.sql import SparkSession
 
+from edge_agent import cli as agent_cli
+from edge_agent.core.config import parse_config
+from hub_ingest.cli import main as hub_cli
 from hub_ingest.core.config import parse_hub_config
 from tests.support import archives
 
-README = Path(__file__).parent.parent / "README.md"
+ROOT = Path(__file__).parent.parent
+PAGES = (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")))
 README_ARCHIVE = "/var/lib/hub-ingest/archive"
+TOUR_ARCHIVE = "demo-state/archive"
 TOOLS = ("pandas", "pyarrow", "polars", "duckdb", "spark")
+HUB_SECTIONS = {"state_dir", "nats", "commands", "aggregates", "server", "cluster", "ingest"}
+
+
+def blocks(language: str) -> Iterator[tuple[str, str]]:
+    """(page, text) of every ```<language> block in the README and docs/."""
+    for page in PAGES:
+        for found in re.finditer(rf"```{language}\n(.*?)```", page.read_text(), re.S):
+            yield page.relative_to(ROOT).as_posix(), found[1]
 
 
 def snippet(name: str) -> str:
-    """The python block after ``<!-- analyst:<name> -->`` in the README."""
-    found = re.search(rf"<!-- analyst:{name} -->\n```python\n(.*?)```", README.read_text(), re.S)
-    assert found, f"no analyst:{name} block in the README"
-    return found[1]
+    """The python block after ``<!-- analyst:<name> -->`` in the README or docs/."""
+    for page in PAGES:
+        found = re.search(rf"<!-- analyst:{name} -->\n```python\n(.*?)```", page.read_text(), re.S)
+        if found:
+            return found[1]
+    raise AssertionError(f"no analyst:{name} block in the README or docs/")
 
 
 def _hour(value: Any) -> str:
@@ -68,3 +91,56 @@ def test_the_readme_lines_count_readings_per_device_per_hour(
         scope = {**opened, "spark": spark}
         exec(snippet(tool), scope)
         assert _counts(tool, scope["per_hour"]) == want, tool
+
+    tour: dict[str, Any] = {}
+    with contextlib.redirect_stdout(io.StringIO()):
+        exec(snippet("tour").replace(TOUR_ARCHIVE, str(config.archive)), tour)
+    assert tour["per_device"] == [("a", 30), ("b", 5)]
+
+
+def _merged(base: dict[str, Any], part: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in part.items():
+        both = isinstance(value, dict) and isinstance(out.get(key), dict)
+        out[key] = _merged(out[key], value) if both else value
+    return out
+
+
+def test_every_toml_block_is_read_by_its_config_parser(tmp_path: Path) -> None:
+    """A hub.toml block (its sections are the hub's) goes through the hub's parser; any other
+    through the agent's, merged onto the docs' full agent.toml (a block may show one table)."""
+    found = list(blocks("toml"))
+    agents = [tomllib.loads(text) for _, text in found if "device_id" in tomllib.loads(text)]
+    assert agents, "no full agent.toml in the docs"
+    for page, text in found:
+        data = tomllib.loads(text)
+        try:
+            if set(data) <= HUB_SECTIONS:
+                parse_hub_config(_merged({"state_dir": str(tmp_path)}, data))
+            else:
+                parse_config(_merged(agents[0], data))
+        except Exception as exc:
+            raise AssertionError(f"{page}: a TOML block is refused: {exc}\n{text}") from exc
+
+
+def _command_lines() -> Iterator[tuple[str, list[str]]]:
+    """(page, argv) of every line of a shell block that runs edge-agent or hub-ingest, with
+    its comment dropped and each optional ``[…]`` part taken (its first alternative)."""
+    for page, text in blocks("sh"):
+        for raw in text.splitlines():
+            line = raw.strip()
+            if re.match(r"(\.venv/bin/)?(edge-agent|hub-ingest) ", line):
+                taken = re.sub(r"\[([^\]|]+)(\|[^\]]*)?\]", r"\1", line)
+                yield page, shlex.split(taken, comments=True)
+
+
+def test_every_command_line_in_the_docs_parses() -> None:
+    lines = list(_command_lines())
+    assert len(lines) > 30, lines
+    for page, argv in lines:
+        parser = agent_cli._parser() if argv[0].endswith("edge-agent") else hub_cli._parser()
+        with contextlib.redirect_stderr(io.StringIO()) as err:
+            try:
+                parser.parse_args(argv[1:])
+            except SystemExit as exc:
+                raise AssertionError(f"{page}: {shlex.join(argv)}: {err.getvalue()}") from exc
