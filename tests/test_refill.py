@@ -159,7 +159,21 @@ async def test_what_the_island_no_longer_holds_is_lost_with_its_reason(hub: Hub)
 
     record = await eventually(settled, timeout=RESUME_TIMEOUT, what="the refill")
     assert record.lost == {"evicted": [(6, 7)]} and record.pending == []
-    assert sorted(seq for seq, _, _ in await _aggregate_rows(hub)) == [1, 2, 3, 4, 5, 8, 9, 10]
+
+    async def resumed() -> list[int] | None:  # 9 and 10 come through the mirror, maybe later
+        seqs = sorted(seq for seq, _, _ in await _aggregate_rows(hub))
+        return seqs if len(seqs) >= 8 else None
+
+    assert await eventually(resumed, timeout=RESUME_TIMEOUT, what="9, 10") == [
+        1,
+        2,
+        3,
+        4,
+        5,
+        8,
+        9,
+        10,
+    ]
     devices = await (await Registry.open(hub.js)).list()
     report = await collect_report(hub.nc, hub.config, devices, silent_after=60)
     (device,) = report.devices

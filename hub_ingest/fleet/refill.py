@@ -205,9 +205,13 @@ class Refiller:
         info = json.loads(reply.data)
         floor = int(((info.get("ack_floor") or {}).get("stream_seq")) or 0)
         last = (await self.js.stream_info(target.mirror)).state.last_seq
-        if floor > last:
-            log.warning("mirror_tail_skipped", mirror=target.mirror, first=last + 1, last=floor)
-            await self.heal(target, set(range(last + 1, floor + 1)))
+        record = await self._record(target)
+        known = expand(record.kept).union(*(expand(r) for r in record.lost.values()))
+        tail = set(range(last + 1, floor + 1)) - known
+        tail -= await refilled_seqs(self.js, target.mirror)
+        if tail:
+            log.warning("mirror_tail_skipped", mirror=target.mirror, first=min(tail), last=floor)
+            await self.heal(target, tail)
 
     async def heal(self, target: Target, tail: set[int] | None = None) -> MirrorGaps:
         """Refill what `target`'s mirror skipped (and the sequences of a skipped `tail`);
