@@ -7,6 +7,22 @@ the highest sequence of each stream it now holds, and `hub_ingest.ingest.sink` w
 above it. Spark never fsyncs its checkpoint: `hub_ingest.ingest.durability` syncs it after each
 batch and repairs what a power cut left of the batches after the last sync.
 
+The order of a micro-batch, each step once, each in one module:
+
+1. **start** (`ingest`, once per run): repair the checkpoint a power cut damaged
+   (`durability.repair`), delete files of batches never committed (`sink.remove_unfinished`);
+2. **read**: Spark plans the batch's sequence ranges and logs them in its checkpoint; the
+   executors read them from the hub (`source`, `wire`);
+3. **write** and **commit** (`sink.TableSink`, Spark's ``foreachBatch``): the rows the table
+   lacks are written as Parquet and fsynced, then committed as one snapshot with the highest
+   sequence of each stream;
+4. **acknowledge**: Spark writes the batch's commit entry; `ingest` then fsyncs the batch's
+   checkpoint entries (`durability.SyncedBatches.mark`). Nothing is acknowledged to the hub:
+   the aggregates keep their messages for their own retention, and the next batch starts
+   from the checkpoint;
+5. **maintain** (`run`, after a ``--once`` run): compact small files and expire old
+   snapshots (`archive.maintenance`).
+
 ``--once`` runs ``trigger(availableNow=True)``: everything in the streams when it starts, in
 batches of at most ``ingest.max_messages_per_trigger``, then exit (for a systemd timer).
 Without it the query runs until SIGTERM, one batch every ``ingest.trigger_interval``.
