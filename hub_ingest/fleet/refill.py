@@ -36,10 +36,7 @@ otherwise de-duplicate it against another device's message with the same id).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
-import json
-import secrets
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -53,7 +50,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import APIError, KeyNotFoundError
 from nats.js.kv import KeyValue
 
-from edge_agent.protocol.names import INCARNATION, hub_consumer, hub_reply_prefix, js_api
+from edge_agent.protocol.names import INCARNATION, hub_consumer, js_api
 from edge_agent.protocol.units import utc_now_iso
 from hub_ingest.core.buckets import open_bucket
 from hub_ingest.core.config import HubConfig
@@ -69,7 +66,7 @@ from hub_ingest.fleet.gaps import (
     refilled_seqs,
     to_ranges,
 )
-from hub_ingest.fleet.registry import Device
+from hub_ingest.fleet.requests import ask, ask_json, deleted_seqs, deleted_states, seq_of
 
 log = structlog.get_logger(__name__)
 
@@ -136,7 +133,7 @@ class Refiller:
         if self._kv is None:
             self._kv = await open_bucket(self.js, BUCKET, replicas=self.config.replicas)
         aggregates = {t.aggregate for t in mirrors.values()}
-        states = await _deleted_states(self.js, set(mirrors) | aggregates)
+        states = await deleted_states(self.js, set(mirrors) | aggregates)
         await self._heal_aggregates(
             {name: s for name, s in states.items() if name in aggregates}, mirrors
         )
@@ -199,10 +196,9 @@ class Refiller:
             f"{target.incarnation.stream}.{hub_consumer(target.incarnation.id)}"
         )
         try:
-            [reply] = await _ask(self.nc, target.device, subject, {}, timeout=ASK_TIMEOUT)
+            info = await ask_json(self.nc, target.device, subject, timeout=ASK_TIMEOUT)
         except (nats.errors.Error, TimeoutError, ValueError):
             return  # the island did not answer: tried again later
-        info = json.loads(reply.data)
         floor = int(((info.get("ack_floor") or {}).get("stream_seq")) or 0)
         last = (await self.js.stream_info(target.mirror)).state.last_seq
         record = await self._record(target)
@@ -218,7 +214,7 @@ class Refiller:
         record and return what became of it."""
         assert self._kv is not None
         before = await self._record(target)
-        deleted = await _deleted(self.nc, self.api, target.mirror) | (tail or set())
+        deleted = await deleted_seqs(self.nc, self.api, target.mirror) | (tail or set())
         done = await refilled_seqs(self.js, target.mirror)
         lost = {reason: expand(r) for reason, r in before.lost.items()}
         kept = expand(before.kept)
@@ -270,7 +266,7 @@ class Refiller:
             done = self.aggregate_done.get(aggregate, set())
             if count == len({s for s in done if s >= first}):
                 continue
-            deleted = await _deleted(self.nc, self.api, aggregate)
+            deleted = await deleted_seqs(self.nc, self.api, aggregate)
             settled = True
             for target in (t for t in mirrors.values() if t.aggregate == aggregate):
                 for span in to_ranges(deleted - done):
@@ -302,7 +298,7 @@ class Refiller:
             high = after - 1
         if low > high:
             return True
-        skipped = await _deleted(self.nc, self.api, target.mirror)
+        skipped = await deleted_seqs(self.nc, self.api, target.mirror)
         todo = set(range(low, high + 1)) - skipped - await refilled_seqs(self.js, target.mirror)
         todo -= await in_aggregate(self.js, self.nc, self.api, target, sorted(todo))
         source = f"{self.api}.DIRECT.GET.{target.mirror}"
@@ -336,11 +332,10 @@ class Refiller:
         """The island stream's info, None when the island does not answer."""
         subject = f"{target.device.api_prefix}.STREAM.INFO.{target.incarnation.stream}"
         try:
-            [reply] = await _ask(self.nc, target.device, subject, {}, timeout=ASK_TIMEOUT)
+            info = await ask_json(self.nc, target.device, subject, timeout=ASK_TIMEOUT)
         except (nats.errors.Error, TimeoutError, ValueError) as exc:
             log.debug("island_unreachable", mirror=target.mirror, error=repr(exc))
             return None
-        info: dict[str, Any] = json.loads(reply.data)
         return info if "error" not in info else None
 
     async def _refill(
@@ -374,7 +369,7 @@ class Refiller:
         got: list[Msg] = []
         seq = lo
         while seq <= hi:
-            msgs = await _ask(
+            msgs = await ask(
                 self.nc,
                 target.device,
                 source,
@@ -383,11 +378,11 @@ class Refiller:
                 many=True,
             )
             # A batch holds the next messages the island has, which may lie past `hi`.
-            within = [m for m in msgs if _seq(m) <= hi]
+            within = [m for m in msgs if seq_of(m) <= hi]
             got += within
             if len(within) < len(msgs) or not within:
                 break
-            seq = _seq(within[-1]) + 1
+            seq = seq_of(within[-1]) + 1
         return got
 
     async def _publish(self, target: Target, msg: Msg) -> int:
@@ -406,62 +401,3 @@ class Refiller:
             if exc.err_code != _WRONG_LAST_SEQUENCE:
                 raise
         return seq
-
-
-def _seq(msg: Msg) -> int:
-    return int((msg.headers or {}).get("Nats-Sequence", 0))
-
-
-async def _ask(
-    nc: Client,
-    device: Device,
-    subject: str,
-    body: Mapping[str, Any],
-    *,
-    timeout: float,
-    many: bool = False,
-) -> list[Msg]:
-    """A request to a device's island, answered on its own reply prefix; with `many`, every
-    message up to the batch's end-of-batch status."""
-    inbox = f"{hub_reply_prefix(device.device_id)}.{secrets.token_hex(8)}"
-    sub = await nc.subscribe(inbox)
-    got: list[Msg] = []
-    try:
-        await nc.publish(subject, json.dumps(body).encode(), reply=inbox)
-        while True:
-            msg = await sub.next_msg(timeout=timeout)
-            status = (msg.headers or {}).get("Status")
-            if status is not None:
-                if status in ("404", "408", "204"):
-                    return got  # no (more) messages; end of batch
-                raise ValueError(f"{subject}: status {status}")
-            got.append(msg)
-            if not many:
-                return got
-    finally:
-        with contextlib.suppress(nats.errors.Error):
-            await sub.unsubscribe()
-
-
-async def _deleted_states(js: JetStreamContext, names: set[str]) -> dict[str, tuple[int, int, int]]:
-    """(first, last, deleted) of each of the streams `names` that has deleted sequences."""
-    states: dict[str, tuple[int, int, int]] = {}
-    offset = 0
-    while page := await js.streams_info(offset=offset):
-        offset += len(page)
-        for info in page:
-            name = info.config.name or ""
-            deleted = info.state.num_deleted or 0
-            if name in names and deleted:
-                states[name] = (info.state.first_seq, info.state.last_seq, deleted)
-    return states
-
-
-async def _deleted(nc: Client, api: str, mirror: str) -> set[int]:
-    """The sequences inside the mirror's range that it does not hold."""
-    reply = await nc.request(
-        f"{api}.STREAM.INFO.{mirror}", json.dumps({"deleted_details": True}).encode(), timeout=10
-    )
-    state = json.loads(reply.data).get("state") or {}
-    first = int(state.get("first_seq", 0))
-    return {int(s) for s in state.get("deleted") or [] if int(s) >= first}

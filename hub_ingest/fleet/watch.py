@@ -23,12 +23,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-import secrets
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 import nats.errors
 import structlog
@@ -40,7 +37,6 @@ from edge_agent.protocol.names import (
     INCARNATION,
     OUTBOUND,
     command_stream,
-    hub_reply_prefix,
     island_name,
 )
 from edge_agent.protocol.units import utc_now_iso
@@ -48,6 +44,7 @@ from hub_ingest.core.config import HubConfig
 from hub_ingest.fleet.provision import mirror_targets, provision
 from hub_ingest.fleet.refill import Refiller
 from hub_ingest.fleet.registry import Device, Incarnation, Registry
+from hub_ingest.fleet.requests import ask_json
 
 log = structlog.get_logger(__name__)
 
@@ -60,7 +57,9 @@ async def device_incarnations(nc: Client, device: Device) -> dict[str, str]:
     found: dict[str, str] = {}
     for stream in OUTBOUND:
         try:
-            info = await _ask(nc, device, f"{device.api_prefix}.STREAM.INFO.{stream}")
+            info = await ask_json(
+                nc, device, f"{device.api_prefix}.STREAM.INFO.{stream}", timeout=ASK_TIMEOUT
+            )
         except (nats.errors.Error, TimeoutError, ValueError) as exc:
             log.debug(
                 "incarnation_unknown", device_id=device.device_id, stream=stream, error=repr(exc)
@@ -70,23 +69,6 @@ async def device_incarnations(nc: Client, device: Device) -> dict[str, str]:
         if isinstance(metadata.get(INCARNATION), str):
             found[stream] = metadata[INCARNATION]
     return found
-
-
-async def _ask(nc: Client, device: Device, subject: str) -> dict[str, Any]:
-    """A request to the device's island, answered on a subject only that device may use
-    (a leaf connection may not answer on the usual inboxes, see `hub_ingest.fleet.auth`)."""
-    inbox = f"{hub_reply_prefix(device.device_id)}.{secrets.token_hex(8)}"
-    sub = await nc.subscribe(inbox, max_msgs=1)
-    try:
-        await nc.publish(subject, b"", reply=inbox)
-        reply = await sub.next_msg(timeout=ASK_TIMEOUT)
-    finally:
-        with contextlib.suppress(nats.errors.Error):
-            await sub.unsubscribe()
-    answer = json.loads(reply.data)
-    if not isinstance(answer, dict):
-        raise ValueError(f"not a JSON object: {reply.data[:80]!r}")
-    return answer
 
 
 async def _command_fence(js: JetStreamContext, device: Device, stream: str) -> int:
