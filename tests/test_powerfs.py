@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.powerfs import PAGE, SECTOR, PowerCut, users
+from tests.support.powerfs import PAGE, SECTOR
+from tests.support.powerswitch import PowerCut, users
 
 
 @pytest.fixture

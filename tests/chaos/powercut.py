@@ -35,7 +35,7 @@ from hub_ingest.archive import table as archive_table
 from hub_ingest.local.fleet import Child, write_hub_toml
 from tests.chaos.runner import MARKER, Chaos, Node, Outcome
 from tests.support.cluster import Hub, start_hub, write_agent_config
-from tests.support.powerfs import PowerCut
+from tests.support.powerswitch import PowerCut
 
 DEVICE = "p"
 COMMAND_PACE = (0.3, 1.5)  # seconds between commands: a few run during most cuts
