@@ -144,3 +144,13 @@ def test_every_command_line_in_the_docs_parses() -> None:
                 parser.parse_args(argv[1:])
             except SystemExit as exc:
                 raise AssertionError(f"{page}: {shlex.join(argv)}: {err.getvalue()}") from exc
+
+
+def test_every_link_between_pages_resolves() -> None:
+    """Links are relative and land on a file of the repository; the README links nowhere
+    else (a clone is all a reader has)."""
+    for page in (*PAGES, ROOT / "CONTRIBUTING.md"):
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
+            if target.startswith("https://") and page.name != "README.md":
+                continue
+            assert (page.parent / target).exists(), f"{page.name}: a link to {target}"
