@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from pyspark.sql import SparkSession
 
 from edge_agent import cli as agent_cli
@@ -154,3 +155,26 @@ def test_every_link_between_pages_resolves() -> None:
             if target.startswith("https://") and page.name != "README.md":
                 continue
             assert (page.parent / target).exists(), f"{page.name}: a link to {target}"
+
+
+def _source_text(*trees: str) -> str:
+    return "\n".join(p.read_text() for tree in trees for p in (ROOT / tree).rglob("*.*"))
+
+
+def test_every_yaml_block_names_what_exists() -> None:
+    """An alert's expression names metrics the agent or the hub exports; an inventory's
+    variables are the Ansible roles' own."""
+    metrics = _source_text("edge_agent/status", "hub_ingest/report")
+    roles = _source_text("ansible/roles")
+    found = list(blocks("yaml"))
+    assert found
+    for page, text in found:
+        data = yaml.safe_load(text)
+        if isinstance(data, list):
+            for alert in data:
+                for name in re.findall(r"\b(?:hub|edge_agent)_[a-z_]+", alert["expr"]):
+                    assert f'"{name}' in metrics, f"{page}: {alert['alert']} uses {name}"
+        else:
+            for group in data.values():
+                for name in group.get("vars", {}):
+                    assert name in roles, f"{page}: inventory variable {name}"
