@@ -1,7 +1,8 @@
 """The fleet's control plane: the device registry (`registry`), device keys and the
 users file (`auth`), enrolment (`enrol`), the hub's streams and device mirrors
 (`provision`), the hub's nats-server config (`server`), and the watcher service (`watch`)
-with the gap refill it runs (`refill`).
+with the gap refill it runs (`refill`; its contract and record `gaps`, its reads of the
+aggregates `aggregate_rows`, its requests to islands and the hub `requests`).
 
 Imports: `core`, `edge_agent.protocol`.
 """
