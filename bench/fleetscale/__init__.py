@@ -1,0 +1,1 @@
+"""The parts of `bench/fleet_scale.py`."""

@@ -1,0 +1,75 @@
+"""What the bench prints: one line per mode and size, the fitted cost per device, and the
+last ``name=value`` line."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections.abc import Sequence
+
+from bench.fleetscale.common import METRICS, SLOPES
+
+
+def line(mode: str, row: dict[str, float], agents: int) -> str:
+    return (
+        f"{mode:7} devices={int(row['size']):4d}+{agents} "
+        f"enrol={row['enrol'] * 1000:.0f}ms/dev attach={row['attach'] * 1000:.0f}ms/dev "
+        f"provision_pass={row['pass']:.2f}s "
+        f"ready={row['ready']:.1f}s fanout={row['fanout']:.1f}s "
+        f"hub_rss={row['rss']:.0f}MiB (peak {row['peak']:.0f}) hub_fds={row['fds']:.0f} "
+        f"hub_cpu={row['cpu']:.1f}%core "
+        f"report={row['report'] * 1000:.0f}ms status={row['status'] * 1000:.0f}ms "
+        f"restart: up={row['up']:.1f}s resume={row['resume']:.1f}s down={row['down']:.1f}s"
+    )
+
+
+def slope(rows: Sequence[dict[str, float]], key: str) -> float:
+    """Least-squares slope of `key` against the fleet size (through zero for one size)."""
+    xs = [r["size"] for r in rows]
+    ys = [r[key] for r in rows]
+    if len(rows) == 1:
+        return ys[0] / xs[0]
+    return statistics.linear_regression(xs, ys).slope
+
+
+def fitted(mode: str, rows: Sequence[dict[str, float]]) -> dict[str, float]:
+    costs = {name: slope(rows, key) for name, (key, _) in SLOPES.items()}
+    parts = []
+    for name, (_, unit) in SLOPES.items():
+        scale, shown = (1000, f"m{unit}") if unit == "s" else (1, unit)
+        parts.append(f"{name}={costs[name] * scale:.3g}{shown}")
+    print(f"{mode:7} per device (fitted): " + " ".join(parts), flush=True)
+    return costs
+
+
+# The baselines kept from before: bulk against one-by-one enrolment, and a long history.
+
+
+def summarise(results: dict[str, list[dict[str, float]]], args: argparse.Namespace) -> None:
+    single = {int(r["size"]): r for r in results.get("single", [])}
+    cluster = {int(r["size"]): r for r in results.get("cluster", [])}
+    for size in sorted(single.keys() & cluster.keys()):
+        a, b = single[size], cluster[size]
+        ratios = " ".join(f"{m}={b[m] / a[m]:.2f}" for m in METRICS if a[m] > 0)
+        print(f"cluster/single devices={size}: {ratios}")
+    costs = {mode: fitted(mode, rows) for mode, rows in results.items() if rows}
+    # The cluster at the largest size asked for; a size a hub could not do shows as nan.
+    mode = "cluster" if "cluster" in args.modes else "single"
+    target = max(args.sizes)
+    nan = dict.fromkeys((*METRICS, "up", "down", "peak"), float("nan"))
+    runs = cluster if mode == "cluster" else single
+    last = runs.get(target, nan)
+    cost = costs.get(mode, {name: float("nan") for name in SLOPES})
+    extra = "".join(f" {k}={v:.2f}" for k, v in args.baseline.items())
+    print(
+        f"devices={target} enrol_s_per_device={cost['enrol']:.4f} "
+        f"hub_rss_mb_per_device={cost['rss']:.3f} restart_resume_s={last['resume']:.1f} "
+        f"report_s={last['report']:.3f} mode={mode} measured_up_to={max(runs, default=0)} "
+        f"agents={args.agents} leaf_compression={args.leaf_compression} "
+        f"reconnect={args.reconnect} reconnect_spread={args.reconnect_spread} "
+        f"attach_s_per_device={cost['attach']:.4f} "
+        f"provision_pass_s={last['pass']:.2f} hub_rss_mb={last['rss']:.0f} "
+        f"hub_cpu_pct_per_device={cost['cpu']:.4f} status_s={last['status']:.3f} "
+        f"restart_up_s={last['up']:.1f} restart_down_s={last['down']:.1f} "
+        f"fanout_s={last['fanout']:.1f} hub_fds={last['fds']:.0f}{extra}"
+    )
