@@ -47,7 +47,7 @@ from hub_ingest.fleet.registry import Device as Registered
 from hub_ingest.fleet.registry import Registry
 from hub_ingest.fleet.watch import device_incarnations, record
 from hub_ingest.local.fleet import free_port
-from tests.support.cluster import NATS_SERVER, Hub
+from tests.support.cluster import NATS_SERVER, Hub, _quiet
 from tests.support.hubcluster import ClusterHub
 
 
@@ -100,10 +100,6 @@ class Island:
             with contextlib.suppress(nats.errors.Error):
                 await self.nc.close()
         self.server.kill()  # throwaway: nothing to flush
-
-
-async def _quiet(exc: Exception) -> None:
-    """Island clients reconnect on their own; their errors are noise here."""
 
 
 ISLAND_NICENESS = 19
