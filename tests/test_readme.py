@@ -1,8 +1,8 @@
 """Every code block of the README and of `docs/`, checked so that no page can rot: the
 analysts' lines run as written (readings per device per hour with pandas, pyarrow, Polars,
 DuckDB and Spark, all giving the same counts; the README tour's query), every TOML block is
-read by the config parser it is for, and every ``edge-agent`` / ``hub-ingest`` line is parsed
-by the command line itself."""
+read by the config parser it is for, every ``edge-agent`` / ``hub-ingest`` line is parsed by
+the command line itself, every YAML block names what exists, and every link resolves."""
 
 from __future__ import annotations
 
