@@ -11,7 +11,7 @@
 Each outbound stream carries an *incarnation* id in its metadata, made when the stream is
 created: a re-imaged device (same id and key, empty store) gets new ones. The hub mirrors
 each outbound stream through a durable consumer named after the incarnation
-(`naming.hub_consumer`), which the agent creates here; the hub notices a new incarnation and
+(`names.hub_consumer`), which the agent creates here; the hub notices a new incarnation and
 mirrors it afresh from sequence 1 (`hub_ingest.fleet.watch`), while the old mirror, whose
 consumer died with the old store, keeps what it had and can take nothing new.
 """

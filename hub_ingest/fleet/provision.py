@@ -61,7 +61,7 @@ log = structlog.get_logger(__name__)
 
 MANAGED_BY = {"managed-by": "hub-ingest"}
 # Subjects the fleet's streams carry (devices' `tele.>` and `evt.>`, the aggregates' `fleet.>`,
-# commands) and the deliveries of mirrors across the link (`naming.to_hub_prefix`,
+# commands) and the deliveries of mirrors across the link (`names.to_hub_prefix`,
 # `to_device_prefix`). Another stream listening on any of them would store fleet messages a
 # second time, or take them from the streams that should have them.
 _ROUNDS = 5  # of provisioning, while the registry changes under it

@@ -20,8 +20,9 @@ The order of a micro-batch, each step once, each in one module:
    checkpoint entries (`durability.SyncedBatches.mark`). Nothing is acknowledged to the hub:
    the aggregates keep their messages for their own retention, and the next batch starts
    from the checkpoint;
-5. **maintain** (`run`, after a ``--once`` run): compact small files and expire old
-   snapshots (`archive.maintenance`).
+5. **maintain** (`run`, after a ``--once`` run with ``ingest.compact_after_run``; else
+   ``hub-ingest compact``): compact small files and expire old snapshots
+   (`archive.maintenance`).
 
 ``--once`` runs ``trigger(availableNow=True)``: everything in the streams when it starts, in
 batches of at most ``ingest.max_messages_per_trigger``, then exit (for a systemd timer).
