@@ -107,9 +107,9 @@ async def _next_sourced(
         for msg in msgs:
             if until is not None and msg.seq >= until:
                 return None
-            raw = msg.headers.get("Nats-Stream-Source", "").split()
-            if len(raw) > 1 and raw[0].split(":", 1)[0] == target.mirror:
-                return msg.seq, int(raw[1])
+            origin = _source(msg, refilled=False)
+            if origin is not None and origin[0] == target.mirror:
+                return msg.seq, origin[1]
         seq = msgs[-1].seq + 1
     return None
 
@@ -154,9 +154,10 @@ async def _direct(
             await sub.unsubscribe()
 
 
-def _source(msg: _Stored) -> tuple[str, int] | None:
-    """(mirror, device seq) a row of the aggregate came from; refilled rows say so."""
-    raw = msg.headers.get(REFILL_HEADER) or msg.headers.get("Nats-Stream-Source")
+def _source(msg: _Stored, *, refilled: bool = True) -> tuple[str, int] | None:
+    """(mirror, device seq) a row of the aggregate came from; refilled rows say so (without
+    `refilled`, they count as from nowhere)."""
+    raw = (refilled and msg.headers.get(REFILL_HEADER)) or msg.headers.get("Nats-Stream-Source")
     if not raw:
         return None
     fields = raw.split()
