@@ -46,12 +46,23 @@ from hub_ingest.fleet.server import render_server_config
 FLEET_FILE = "fleet.json"  # the pids of a running fleet, for `stop`
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    """A port free right now on loopback (configs need fixed ports that survive restarts)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+    """A port free right now on loopback (configs need fixed ports that survive restarts).
+
+    Never the same port twice in one process: the kernel may hand a closed ephemeral port out
+    again before the server it was meant for has bound it (seen: two islands of one test got
+    one monitor port, and the second agent took the first's island for its own).
+    """
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port: int = sock.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 async def stream_messages(js: JetStreamContext, stream: str) -> list[RawStreamMsg]:
