@@ -112,7 +112,11 @@ async def drain(
     extra cuts during it) and check every reading reached the hub once."""
     hub = await start_hub(root, leaf_compression=compression)
     try:
-        device = await hub.device("slow", register_when_ready=True)
+        # Both ends set, so that each run measures its mode from the first byte (by default
+        # a device chooses by the round trip it measures, `edge_agent.island.compression`).
+        device = await hub.device(
+            "slow", register_when_ready=True, sections={"hub": {"compression": compression}}
+        )
         await hub.provision()
         mirror = await hub.mirror(device.id)
         await eventually(lambda: mirror_live(hub.js, mirror), timeout=RESUME_TIMEOUT)

@@ -40,6 +40,7 @@ from edge_agent.core.config import Config
 from edge_agent.core.errors import OutboxError, ProtocolError
 from edge_agent.core.notify import Notifier
 from edge_agent.core.statedb import StateDB
+from edge_agent.island.compression import LinkCompression
 from edge_agent.island.link import LinkTracker, write_clock
 from edge_agent.island.server import STOP_TIMEOUT_S, Island
 from edge_agent.island.streams import reconcile
@@ -116,6 +117,8 @@ class Agent:
         self.shutdown = shutdown or asyncio.Event()
         self.island = Island(config, on_up=self._island_came_up)
         self.link = LinkTracker(config, self.island.monitor)
+        reload = self.island.reload if self.island.child_mode else None
+        self.compression = LinkCompression(config, self.island.monitor, reload)
         self.ready = asyncio.Event()
         self.handlers = builtin_handlers() if handlers is None else handlers
         self.notifier = notifier or Notifier()
@@ -217,7 +220,7 @@ class Agent:
         if not await fence.load():
             self._spawn(tg, self._after_ready(lambda: self._learn_fence(fence, js, hub_js)))
         self._spawn(tg, self._reconcile_loop(js))
-        self._spawn(tg, self._every(self.config.agent.link_poll_interval, self.link.poll))
+        self._spawn(tg, self._every(self.config.agent.link_poll_interval, self._poll_link))
         self._spawn(tg, self.drainer.run())
         self._spawn(tg, self._every(self.config.agent.heartbeat_interval, self._heartbeat))
         self._spawn(tg, self._sync_clock(self._nc))
@@ -227,6 +230,10 @@ class Agent:
             self._spawn(tg, self._after_ready(lambda: resume.run(island_was_fresh=self._fresh())))
         if self.notifier.watchdog_interval is not None:
             self._spawn(tg, self._watchdog(self.notifier.watchdog_interval))
+
+    async def _poll_link(self) -> None:
+        await self.link.poll()
+        await self.compression.step()
 
     async def _after_ready(self, step: Callable[[], Awaitable[None]]) -> None:
         await self.ready.wait()

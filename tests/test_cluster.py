@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from edge_agent.protocol.names import ISLAND_CONSUMER
 from hub_ingest.fleet.auth import sync_users
 from hub_ingest.fleet.provision import provision, stream_names
 from hub_ingest.fleet.registry import Device, Registry
@@ -71,6 +72,18 @@ async def test_a_rolling_restart_of_every_hub_node_loses_nothing(
     assert outcome.faults["rolling_restart"] == 1, outcome.summary()
 
 
+async def test_a_devices_own_streams_take_no_raft_group(cluster_hub: ClusterHub) -> None:
+    """Under R3 fleet-wide streams a device's mirrors and ``CMD_<id>`` have one replica (no
+    Raft group: a cluster's cost per device stays flat); its island holds what they hold."""
+    await cluster_hub.device("a", register_when_ready=True)
+    mirror = await eventually(lambda: cluster_hub.mirror("a"), timeout=30, what="a's mirror")
+    for name, replicas in ((mirror, 1), ("CMD_a", 1), ("FLEET_TELEMETRY", 3), ("COMMANDS", 3)):
+        info = await cluster_hub.js.stream_info(name)
+        assert info.config.num_replicas == replicas, name
+    consumer = await cluster_hub.js.consumer_info("CMD_a", ISLAND_CONSUMER)
+    assert consumer.config.num_replicas in (0, 1)
+
+
 async def test_each_node_keeps_its_users_file_in_line_with_the_registry(
     cluster_hub: ClusterHub,
 ) -> None:
@@ -102,7 +115,8 @@ async def test_provision_raises_the_replica_count_of_existing_streams_in_place(
         assert (await hub.js.stream_info(mirror)).config.num_replicas == 1
 
         assert hub.config.cluster is not None
-        hub.config = replace(hub.config, cluster=replace(hub.config.cluster, replicas=3))
+        more = replace(hub.config.cluster, replicas=3, device_replicas=3)
+        hub.config = replace(hub.config, cluster=more)
         changed = {r.name for r in await provision(hub.js, hub.config, await _devices(hub))}
         assert {
             "COMMANDS",

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from hub_ingest.fleet.server import SERVER_ENV
 from tests.support.scratch_root import REPO, UNITS, VERIFY_UNIT, scratch_root, stub_executables
 
 EXPOSURE_LIMIT = 2.0
@@ -114,6 +115,8 @@ def test_hub_server_unit_renders_per_node_reloads_and_stops_in_lame_duck_mode() 
     assert start[0].endswith("/nats-server") and start[1:] == ["-c", pre[4]]
     assert values["ExecReload"].endswith("--signal reload=$MAINPID")
     assert values["EnvironmentFile"] == "-/etc/hub-ingest/node.env"
+    environment = {v for k, v in _settings("hub-nats.service") if k == "Environment"}
+    assert {f"{k}={v}" for k, v in SERVER_ENV.items()} <= environment  # as tests run it
     assert values["KillSignal"] == "SIGUSR2"
     assert int(values["TimeoutStopSec"].removesuffix("s")) > 130
     assert values["User"] == "hub-ingest" and values["StateDirectory"] == "hub-ingest"

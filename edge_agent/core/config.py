@@ -13,10 +13,11 @@ from typing import Any, Literal
 from edge_agent.core.errors import ConfigError
 from edge_agent.protocol.names import island_name, js_api
 from edge_agent.protocol.tomlconf import (
+    BY_RTT,
     Section,
-    compression,
     host_port,
     identifier,
+    link_compression,
     path,
     read_toml,
     string,
@@ -81,7 +82,8 @@ class HubLinkConfig:
     reconnect: float
     # Added per device, a share of it fixed by the device id (`island.leaf_reconnect`).
     reconnect_spread: float
-    compression: str  # of the leaf link; see tomlconf.COMPRESSION_MODES
+    compression: str  # of the leaf link; see tomlconf.COMPRESSION_MODES and BY_RTT
+    compress_rtt: float  # with "by_rtt": compress from this round trip on
 
     @property
     def api_prefix(self) -> str:
@@ -271,7 +273,8 @@ def parse_config(data: dict[str, Any], source: Path | None = None) -> Config:
         tls=_tls(hub_sec.table("tls")),
         reconnect=hub_sec.get("reconnect", _positive_duration, 0.25),
         reconnect_spread=hub_sec.get("reconnect_spread", _duration, 0.0),
-        compression=hub_sec.get("compression", compression, "s2_auto"),
+        compression=hub_sec.get("compression", link_compression, BY_RTT),
+        compress_rtt=hub_sec.get("compress_rtt", _positive_duration, 0.02),
     )
     hub_sec.finish()
     if hub.domain == island.domain:

@@ -33,6 +33,7 @@ from edge_agent.core.errors import (
     StoreDamaged,
     is_retriable,
 )
+from edge_agent.island.compression import link_mode
 from edge_agent.island.streams import reset_hub_consumers
 from edge_agent.protocol.errors import MonitorUnavailable, StreamError
 from edge_agent.protocol.monitor import Monitor
@@ -95,7 +96,7 @@ def render_config(config: Config, *, link_open: bool = True) -> str:
             if value is not None
         ]
         remote.append("tls {\n        " + "\n        ".join(tls) + "\n      }")
-    remote.append(f"compression: {_q(hub.compression)}")
+    remote.append(f"compression: {_q(link_mode(config))}")
     remote.append(f"deny_imports: {_qlist(LOCAL_ONLY_SUBJECTS)}")
     remote.append(f"deny_exports: {_qlist(LOCAL_ONLY_SUBJECTS)}")
     remote_block = "\n      ".join(remote)
@@ -370,6 +371,15 @@ class Island:
                 log.warning("island_unhealthy", restarting=self.child_mode)
                 await self.stop()
                 return
+
+    async def reload(self) -> None:
+        """Render the island's config again and have the running island reload it."""
+        pid = self._proc.pid if self._proc is not None else self._adopted_pid()
+        if pid is None:
+            return
+        await asyncio.to_thread(write_config, self.config)
+        os.kill(pid, signal.SIGHUP)
+        log.info("island_reloaded", pid=pid)
 
     async def stop(self) -> None:
         """Stop the island if this agent runs it (child mode); leave an external one alone."""

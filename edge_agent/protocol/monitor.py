@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import http.client
 import json
+import re
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -52,3 +53,25 @@ class Monitor:
         """Whether the leaf link to the hub is up right now."""
         leafz = await self.get("/leafz")
         return any(leaf.get("is_spoke") for leaf in leafz.get("leafs") or [])
+
+    async def leaf_rtt(self) -> float | None:
+        """The leaf link's round trip in seconds, as the server last measured it (None: no
+        link, or not measured yet)."""
+        leafz = await self.get("/leafz")
+        for leaf in leafz.get("leafs") or []:
+            if leaf.get("is_spoke") and (rtt := go_duration(str(leaf.get("rtt") or ""))):
+                return rtt
+        return None
+
+
+_GO_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+_GO_PART = re.compile(r"([0-9.]+)(ns|us|µs|ms|s|m|h)")
+
+
+def go_duration(text: str) -> float | None:
+    """Seconds in a Go duration string as the monitoring endpoint prints one ("1.2ms",
+    "1m3.5s"); None for an empty or unreadable one."""
+    parts = _GO_PART.findall(text)
+    if not parts or "".join(n + u for n, u in parts) != text:
+        return None
+    return sum(float(number) * _GO_UNITS[unit] for number, unit in parts)

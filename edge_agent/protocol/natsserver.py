@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from edge_agent.protocol.errors import ConfigError, MonitorUnavailable
@@ -71,8 +72,15 @@ class ServerProcess:
     """A nats-server started from `config_path`, logging to ``<config>.log``; SIGKILL-able and
     restartable on the same ports and store."""
 
-    def __init__(self, config_path: Path, monitor_url: str, executable: str = "nats-server"):
+    def __init__(
+        self,
+        config_path: Path,
+        monitor_url: str,
+        executable: str = "nats-server",
+        env: Mapping[str, str] | None = None,
+    ):
         self.config_path = config_path
+        self.env = dict(env or {})  # on top of this process's environment
         self.monitor = Monitor(monitor_url)
         self.executable = resolve_nats_server(executable)
         self.proc: subprocess.Popen[bytes] | None = None
@@ -85,6 +93,7 @@ class ServerProcess:
                 stdout=log,
                 stderr=log,
                 stdin=subprocess.DEVNULL,
+                env={**os.environ, **self.env},
                 start_new_session=True,  # a Ctrl-C in the terminal is the launcher's to handle
             )
         return self.proc

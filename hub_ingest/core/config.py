@@ -94,8 +94,11 @@ class ClusterConfig:
     """A hub of several nats-servers in one JetStream cluster and domain (``[cluster]``)."""
 
     name: str
-    replicas: int  # of every hub stream
+    replicas: int  # of the fleet-wide streams: aggregates, COMMANDS, FLEET_REFILL, buckets
     nodes: tuple[NodeConfig, ...]
+    # Of each device's own streams (its mirrors, CMD_<id>). 1, the default, gives them no Raft
+    # group: what a device's streams hold, its island holds too (docs/scaling.md).
+    device_replicas: int = 1
 
     def node(self, name: str) -> NodeConfig:
         for node in self.nodes:
@@ -139,8 +142,13 @@ class HubConfig:
 
     @property
     def replicas(self) -> int:
-        """How many copies of each hub stream the hub keeps."""
+        """How many copies of each fleet-wide hub stream the hub keeps."""
         return self.cluster.replicas if self.cluster else 1
+
+    @property
+    def device_replicas(self) -> int:
+        """How many copies of each device's own hub streams the hub keeps."""
+        return self.cluster.device_replicas if self.cluster else 1
 
     @property
     def servers(self) -> tuple[ServerConfig, ...]:
@@ -286,7 +294,7 @@ def _server(srv: Section, state_dir: Path, home: Path) -> ServerConfig:
         listen=srv.get("listen", _listen, "127.0.0.1:4222"),
         monitor_listen=srv.get("monitor_listen", _listen, "127.0.0.1:8222"),
         leaf_listen=srv.get("leaf_listen", _listen, "0.0.0.0:7422"),
-        leaf_compression=srv.get("leaf_compression", compression, "s2_auto"),
+        leaf_compression=srv.get("leaf_compression", compression, "accept"),
         store_dir=srv.get("store_dir", path, home / "jetstream"),
         # Explicit: nats-server would otherwise take 75% of the disk free at start-up.
         max_file_store=srv.get("max_file_store", parse_size, 10 * 1024**3),
@@ -331,14 +339,20 @@ def _cluster(section: Section, server_data: dict[str, Any], state_dir: Path) -> 
     names = [n.name for n in nodes]
     if len(set(names)) != len(names):
         raise agent_errors.ConfigError("cluster.nodes", f"node names must differ: {names}")
-    replicas = section.get("replicas", positive_int, min(3, len(nodes)))
-    if replicas > min(MAX_REPLICAS, len(nodes)):
-        raise agent_errors.ConfigError(
-            "cluster.replicas",
-            f"{replicas} is more than the {len(nodes)} nodes (or JetStream's {MAX_REPLICAS})",
-        )
+    replicas = _replicas(section, "replicas", min(3, len(nodes)), len(nodes))
+    device_replicas = _replicas(section, "device_replicas", 1, len(nodes))
     section.finish()
-    return ClusterConfig(name, replicas, nodes)
+    return ClusterConfig(name, replicas, nodes, device_replicas)
+
+
+def _replicas(section: Section, key: str, default: int, nodes: int) -> int:
+    replicas: int = section.get(key, positive_int, default)
+    if replicas > min(MAX_REPLICAS, nodes):
+        raise agent_errors.ConfigError(
+            f"cluster.{key}",
+            f"{replicas} is more than the {nodes} nodes (or JetStream's {MAX_REPLICAS})",
+        )
+    return replicas
 
 
 def _node_tables(value: object) -> list[dict[str, Any]]:

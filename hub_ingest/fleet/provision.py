@@ -130,7 +130,7 @@ def device_mirror(config: HubConfig, device: Device, incarnation: Incarnation) -
         ),
         allow_direct=True,
         metadata=mirror_metadata(device.device_id, incarnation),
-        num_replicas=config.replicas,
+        num_replicas=config.device_replicas,
     )
 
 
@@ -175,7 +175,7 @@ def device_commands(config: HubConfig, device: Device) -> StreamConfig:
             **MANAGED_BY,
             **{fence_key(i.id): str(i.command_fence) for i in device.incarnations},
         },
-        num_replicas=config.replicas,
+        num_replicas=config.device_replicas,
     )
 
 

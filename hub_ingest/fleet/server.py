@@ -13,6 +13,12 @@ from pathlib import Path
 from edge_agent.protocol.tomlconf import render_sync
 from hub_ingest.core.config import HubConfig, LeafTlsConfig
 
+# The hub's nats-server runs with the Go runtime's GOGC at 25 (stock: 100): it collects when
+# the heap has grown by a quarter instead of doubled. Measured at 50 devices: 0.97 MiB of RSS
+# per device against 1.42, with no change in idle CPU (docs/scaling.md). The systemd unit
+# (systemd/hub-nats.service) sets the same.
+SERVER_ENV = {"GOGC": "25"}
+
 
 def render_server_config(config: HubConfig, config_file: Path | None = None) -> str:
     """The config of `config.server`: for a cluster, pass `HubConfig.for_node`'s view."""

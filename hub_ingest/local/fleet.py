@@ -41,7 +41,7 @@ from hub_ingest.core.errors import LocalFleetError
 from hub_ingest.fleet.auth import write_auth
 from hub_ingest.fleet.enrol import enrol
 from hub_ingest.fleet.provision import provision
-from hub_ingest.fleet.server import render_server_config
+from hub_ingest.fleet.server import SERVER_ENV, render_server_config
 
 FLEET_FILE = "fleet.json"  # the pids of a running fleet, for `stop`
 
@@ -85,7 +85,7 @@ async def _quiet(exc: Exception) -> None:
 def loopback_hub_config(
     root: Path,
     *,
-    leaf_compression: str = "s2_auto",
+    leaf_compression: str = "accept",
     leaf_tls: dict[str, Any] | None = None,
     **aggregates: Any,
 ) -> HubConfig:
@@ -175,7 +175,7 @@ class LocalHub:
 async def start_local_hub(
     root: Path,
     *,
-    leaf_compression: str = "s2_auto",
+    leaf_compression: str = "accept",
     leaf_tls: dict[str, Any] | None = None,
     **aggregates: Any,
 ) -> LocalHub:
@@ -186,7 +186,8 @@ async def start_local_hub(
     conf = config.server.config_file
     write_auth(config, [])
     write_durably(conf, render_server_config(config))
-    server = await ServerProcess(conf, f"http://{config.server.monitor_listen}").start()
+    monitor = f"http://{config.server.monitor_listen}"
+    server = await ServerProcess(conf, monitor, env=SERVER_ENV).start()
     nc = await nats.connect(
         config.nats.servers[0],
         nkeys_seed=str(config.nats.credentials),

@@ -247,7 +247,7 @@ async def start_hub(
     root: Path,
     *,
     watching: bool = True,
-    leaf_compression: str = "s2_auto",
+    leaf_compression: str = "accept",
     leaf_tls: dict[str, Any] | None = None,
     **aggregates: Any,
 ) -> Hub:

@@ -21,7 +21,7 @@ from edge_agent.protocol.natsserver import ServerProcess
 from hub_ingest.core.config import HubConfig, parse_hub_config
 from hub_ingest.fleet.auth import write_auth
 from hub_ingest.fleet.provision import provision, stream_names
-from hub_ingest.fleet.server import render_server_config
+from hub_ingest.fleet.server import SERVER_ENV, render_server_config
 from hub_ingest.fleet.watch import watch
 from hub_ingest.local.fleet import free_port
 from tests.support.cluster import Hub, _quiet
@@ -49,7 +49,7 @@ def loopback_cluster_nodes() -> list[dict[str, str]]:
 
 
 def loopback_cluster_config(
-    root: Path, *, replicas: int = 3, leaf_compression: str = "s2_auto"
+    root: Path, *, replicas: int = 3, leaf_compression: str = "accept"
 ) -> HubConfig:
     nodes = loopback_cluster_nodes()
     return parse_hub_config(
@@ -118,9 +118,9 @@ class ClusterHub(Hub):
             if not await self.nodes[name].monitor.healthy():
                 return False
         for name in await stream_names(self.js):
-            cluster = (await self.js.stream_info(name)).cluster
-            peers = (cluster.replicas or []) if cluster else []
-            if len(peers) != self.config.replicas - 1 or not all(
+            info = await self.js.stream_info(name)
+            peers = (info.cluster.replicas or []) if info.cluster else []
+            if len(peers) != info.config.num_replicas - 1 or not all(
                 p.current and not p.offline for p in peers
             ):
                 return False
@@ -133,7 +133,7 @@ class ClusterHub(Hub):
 
 
 async def start_cluster_hub(
-    root: Path, *, replicas: int = 3, watching: bool = True, leaf_compression: str = "s2_auto"
+    root: Path, *, replicas: int = 3, watching: bool = True, leaf_compression: str = "accept"
 ) -> ClusterHub:
     config = loopback_cluster_config(root, replicas=replicas, leaf_compression=leaf_compression)
     write_auth(config, [])
@@ -141,7 +141,9 @@ async def start_cluster_hub(
     for name in NODES:
         node = config.for_node(name)
         write_durably(node.server.config_file, render_server_config(node))
-        nodes[name] = ServerProcess(node.server.config_file, f"http://{node.server.monitor_listen}")
+        nodes[name] = ServerProcess(
+            node.server.config_file, f"http://{node.server.monitor_listen}", env=SERVER_ENV
+        )
     # A node is healthy once the cluster has a JetStream leader: start them together.
     await asyncio.gather(*(server.start(timeout=60) for server in nodes.values()))
     nc = await nats.connect(
