@@ -52,6 +52,10 @@ class ProvisionError(HubIngestError):
 class ReportError(HubIngestError):
     """The hub did not answer a question the fleet report asked it."""
 
+    def __init__(self, message: str, *, err_code: object = None) -> None:
+        super().__init__(message)
+        self.err_code = err_code  # JetStream's, when the hub answered with an error
+
 
 class LocalFleetError(HubIngestError):
     """A process of the local fleet exited or did not get ready in time; its log says why."""

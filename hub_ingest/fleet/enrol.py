@@ -26,7 +26,7 @@ import nkeys
 import structlog
 from nats.js import JetStreamContext
 
-from edge_agent.protocol.names import island_name
+from edge_agent.protocol.names import command_stream, island_name
 from edge_agent.protocol.reconcile import Reconciled
 from edge_agent.protocol.tomlconf import identifier
 from edge_agent.protocol.units import utc_now_iso
@@ -34,7 +34,7 @@ from hub_ingest.core import failpoints
 from hub_ingest.core.config import HubConfig
 from hub_ingest.core.errors import EnrolmentError, RegistryError
 from hub_ingest.fleet.auth import new_seed, public_key, reload_server, write_auth, write_secret
-from hub_ingest.fleet.provision import check_foreign_streams, provision
+from hub_ingest.fleet.provision import check_names, provision
 from hub_ingest.fleet.registry import Device, Registry, assign_shards
 
 log = structlog.get_logger(__name__)
@@ -233,7 +233,8 @@ async def enrol_many(
     for later). Nothing changes if any device cannot be enrolled as asked, nor if a stream of
     another owner is in the way (`adopt`: see `provision`). A device already registered is
     refused with `refuse_present`, else left as it is (same key, or no key asked for)."""
-    await check_foreign_streams(js, adopt=adopt)
+    # Only the names these devices would take: a pass over every stream is `provision`'s.
+    await check_names(js, [command_stream(e.device_id) for e in wanted], adopt=adopt)
     registry = await Registry.open(js)
     existing = await registry.list()
     plan = _plan(wanted, existing, source, refuse_present=refuse_present)
@@ -245,7 +246,8 @@ async def enrol_many(
     on_progress(Progress("auth_written", len(devices), len(devices)))
     reloaded = await reload_server(config)
     on_progress(Progress("reloaded", int(reloaded), 1))
-    changed = await provision(js, config, devices, adopt=adopt) if streams else []
+    new_ids = {e.device.device_id for e in enrolled}
+    changed = await provision(js, config, devices, adopt=adopt, only=new_ids) if streams else []
     if streams:
         touched = sum(1 for r in changed if r.change != "unchanged")
         on_progress(Progress("provisioned", touched, len(changed)))

@@ -19,8 +19,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Iterable
+import json
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,10 +35,11 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
     StreamConsumerSource,
+    StreamInfo,
     StreamSource,
     SubjectTransform,
 )
-from nats.js.errors import APIError
+from nats.js.errors import APIError, NotFoundError
 
 from edge_agent.protocol.errors import StreamError
 from edge_agent.protocol.names import (
@@ -341,6 +344,34 @@ def _clash(config: dict[str, Any], adopt: bool) -> str | None:
     return None
 
 
+async def check_names(js: JetStreamContext, names: Iterable[str], *, adopt: bool) -> None:
+    """`check_foreign_streams` at a cost that does not grow with the fleet: the streams on
+    the fleet's subjects (asked of the server by subject) and those under `names`."""
+    found = [info for subject in FLEET_SUBJECTS for info in await _streams_on(js, subject)]
+    for name in names:
+        with contextlib.suppress(NotFoundError):
+            found.append(await js.stream_info(name))
+    for info in found:
+        if problem := _clash(info.config.as_dict(), adopt):
+            raise ProvisionError(problem)
+
+
+async def _streams_on(js: JetStreamContext, subject: str) -> list[StreamInfo]:
+    """The streams whose subjects overlap `subject` (the server's STREAM.LIST filter)."""
+    found: list[StreamInfo] = []
+    while True:
+        # nats-py has no public call for the listing's subject filter.
+        page = await js._api_request(
+            f"{js._prefix}.STREAM.LIST",
+            json.dumps({"subject": subject, "offset": len(found)}).encode(),
+            timeout=js._timeout,
+        )
+        streams = page.get("streams") or []
+        found += [StreamInfo.from_response(info) for info in streams]
+        if not streams or len(found) >= page.get("total", 0):
+            return found
+
+
 async def check_foreign_streams(js: JetStreamContext, *, adopt: bool = False) -> None:
     """Refuse (`ProvisionError`) before anything changes if another stream is in the way."""
     offset = 0
@@ -353,18 +384,27 @@ async def check_foreign_streams(js: JetStreamContext, *, adopt: bool = False) ->
 
 
 async def provision(
-    js: JetStreamContext, config: HubConfig, devices: Iterable[Device], *, adopt: bool = False
+    js: JetStreamContext,
+    config: HubConfig,
+    devices: Iterable[Device],
+    *,
+    adopt: bool = False,
+    only: Collection[str] | None = None,
 ) -> list[Reconciled]:
     """Create or update ``COMMANDS`` and every aggregate stream; safe to repeat.
 
     Refuses, changing nothing, when a stream of another owner is in the way (see `_clash`);
-    with `adopt`, same-named streams of another owner are taken over.
+    with `adopt`, same-named streams of another owner are taken over. With `only` (device
+    ids) the pass touches those devices' streams and their shards' aggregates, besides the
+    fleet-wide streams: adding a device to a large fleet costs what that device needs, and
+    other owners' streams are checked by the next full pass (``hub-ingest provision``).
     """
-    await check_foreign_streams(js, adopt=adopt)
+    if only is None:
+        await check_foreign_streams(js, adopt=adopt)
     registry = await Registry.open(js)
     devices = list(devices)
     for _ in range(_ROUNDS):
-        results = await _provision_once(js, config, devices)
+        results = await _provision_once(js, config, devices, only, adopt)
         # Another provisioner (`hub-ingest watch` recording an incarnation, a `device add`)
         # may have written from an older registry while this one ran: whoever finishes last
         # makes the streams match the registry as it is now.
@@ -376,12 +416,29 @@ async def provision(
 
 
 async def _provision_once(
-    js: JetStreamContext, config: HubConfig, devices: list[Device]
+    js: JetStreamContext,
+    config: HubConfig,
+    devices: list[Device],
+    only: Collection[str] | None,
+    adopt: bool,
 ) -> list[Reconciled]:
-    # Shards whose last device was removed still exist and must stop sourcing it.
-    shards = {shard for name in await stream_names(js) for shard in _shard_of(name)}
-    mirrors = [m for d in devices for m in device_mirrors(config, d)]
+    touched = devices if only is None else [d for d in devices if d.device_id in only]
+    if only is None:
+        # Shards whose last device was removed still exist and must stop sourcing it.
+        shards = {shard for name in await stream_names(js) for shard in _shard_of(name)}
+        aggregates = aggregate_streams(config, devices, shards)
+    else:
+        wanted = {d.shard for d in touched} | {0}
+        in_shards = [d for d in devices if d.shard in wanted]
+        aggregates = [
+            a for a in aggregate_streams(config, in_shards) if _shard_of(a.name or "")[0] in wanted
+        ]
+    mirrors = [m for d in touched for m in device_mirrors(config, d)]
     try:
+        if only is not None:
+            names = [command_stream(d.device_id) for d in touched]
+            names += [s.name or "" for s in (*mirrors, *aggregates)]
+            await check_names(js, names, adopt=adopt)
         # The command index is made here, with every node up, rather than by the first
         # report or status: made while a node is down, its replica group may be left
         # without a leader when another node goes (seen on a 3-node hub).
@@ -393,8 +450,8 @@ async def _provision_once(
         ]
         results.append(await reconcile_stream(js, commands_stream(config)))
         results.append(await reconcile_stream(js, refill_stream(config)))
-        results += [await provision_commands(js, config, d) for d in devices]
-        for want in [*mirrors, *aggregate_streams(config, devices, shards)]:
+        results += [await provision_commands(js, config, d) for d in touched]
+        for want in [*mirrors, *aggregates]:
             results.append(await reconcile_stream(js, want))
     except StreamError as exc:
         raise ProvisionError(str(exc)) from exc

@@ -114,12 +114,14 @@ async def observe(
     registry = await Registry.open(js)
     found = await asyncio.gather(*(device_incarnations(nc, d) for d in devices))
     new: list[Incarnation] = []
+    changed: set[str] = set()
     for device, seen in zip(devices, found, strict=True):
         if any(not _known(device, s, i) for s, i in seen.items()):
             current = await registry.get(device.device_id)
             new += await record(js, registry, current, seen)
+            changed.add(device.device_id)
     if new:
-        await provision(js, config, await registry.list())
+        await provision(js, config, await registry.list(), only=changed)
     return new
 
 
@@ -247,19 +249,21 @@ class _Rounds:
             if device and not (last and last[0] == leaf and now - last[1] < RECHECK_S):
                 due.append((device, leaf))
         answers = await asyncio.gather(*(device_incarnations(self.nc, d) for d, _ in due))
+        recorded: set[str] = set()
         for (device, leaf), seen in zip(due, answers, strict=True):
             if any(not _known(device, s, i) for s, i in seen.items()):
                 current = await self.registry.get(device.device_id)
                 self.unprovisioned = True
                 await record(self.js, self.registry, current, seen)
+                recorded.add(device.device_id)
                 self.fleet.forget()
             # Right after the link comes up the agent may not have made its streams yet: ask
             # again at the next round until both have answered.
             if len(seen) == len(OUTBOUND):
                 self.checked[device.device_id] = (leaf, now)
         self.linked = linked
-        if self.unprovisioned:  # one pass for every device recorded in this round
-            await provision(self.js, self.config, await self.registry.list())
+        if self.unprovisioned:  # one pass for the devices recorded in this round
+            await provision(self.js, self.config, await self.registry.list(), only=recorded)
             self.unprovisioned = False
 
     async def refill(self) -> None:

@@ -41,7 +41,7 @@ from hub_ingest.core.config import HubConfig
 from hub_ingest.fleet.gaps import MirrorGaps, read_gaps
 from hub_ingest.fleet.provision import AGGREGATES, mirror_name
 from hub_ingest.fleet.registry import Device
-from hub_ingest.report.hub import HubApi, linked_leaves, monitor_urls
+from hub_ingest.report.hub import OFFLINE, HubApi, linked_leaves, monitor_urls
 from hub_ingest.report.model import (
     CommandCounts,
     CommandError,
@@ -52,6 +52,9 @@ from hub_ingest.report.model import (
 )
 
 EVENTS = next(a for a in AGGREGATES if a.device_stream == "EVENTS")
+# Devices whose hub streams are read at once: a large fleet's report waits on round trips,
+# not on the hub, which answers many requests in parallel.
+CONCURRENT_DEVICES = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,7 +145,7 @@ async def _command_state(
     """Counts from the device's `Tally`; pending and expired from the commands its
     ``CMD_<id>`` still holds without a result (the backlog, never the whole history)."""
     stream = command_stream(device_id)
-    state = ((await api.stream_info(stream)) or {}).get("state") or {}
+    state = ((await api.device_stream_info(stream)) or {}).get("state") or {}
     pending = expired = 0
     if state.get("messages"):
         for lo, hi in tally.unanswered(int(state["first_seq"]), int(state["last_seq"])):
@@ -169,6 +172,8 @@ def _source_state(
             name, aggregate.device_stream, False, None, None, "no incarnation seen yet"
         )
     wanted = mirror_name(device.device_id, current)
+    if mirror and "offline" in mirror:
+        return SourceState(name, aggregate.device_stream, True, None, None, mirror["offline"])
     link = (mirror or {}).get("mirror") or {}
     skipped = (mirror.get("state") or {}).get("num_deleted", 0) if mirror else None
     for src in (info or {}).get("sources") or []:
@@ -192,9 +197,9 @@ def _source_state(
 
 async def _mirror_info(api: HubApi, device: Device, device_stream: str) -> dict[str, Any] | None:
     current = device.current(device_stream)
-    return (
-        None if current is None else await api.stream_info(mirror_name(device.device_id, current))
-    )
+    if current is None:
+        return None
+    return await api.device_stream_info(mirror_name(device.device_id, current))
 
 
 def _flags(
@@ -254,6 +259,99 @@ def _gap_warnings(device_id: str, gaps: GapCounts) -> list[str]:
     return warnings
 
 
+@dataclass(frozen=True, slots=True)
+class _Fleet:
+    """What every device's part of the report reads, read once for the fleet."""
+
+    api: HubApi
+    js: JetStreamContext
+    index: CommandIndex
+    infos: dict[str, dict[str, Any] | None]  # the aggregates
+    mirror_gaps: Mapping[str, MirrorGaps]
+    leaves: set[str] | None
+    forged: _Forgeries
+    now: datetime
+    silent_after: float
+
+
+async def _device_report(fleet: _Fleet, device: Device) -> tuple[DeviceReport, list[str]]:
+    """One device's line of the report, and the warnings it adds."""
+    warnings: list[str] = []
+    records = [
+        fleet.mirror_gaps[name]
+        for i in device.incarnations
+        if (name := mirror_name(device.device_id, i)) in fleet.mirror_gaps
+    ]
+    device_gaps = GapCounts.of(records, fleet.now)
+    current = [r for r in records if _current(device, r)]
+    accounted = {
+        stream: GapCounts.of(
+            [r for r in current if r.device_stream == stream], fleet.now
+        ).accounted()
+        for stream in {r.device_stream for r in current}
+    }
+    sources = tuple(
+        [
+            _source_state(
+                fleet.infos[a.stream_name(device.shard)],
+                await _mirror_info(fleet.api, device, a.device_stream),
+                a.stream_name(device.shard),
+                device,
+            )
+            for a in AGGREGATES
+        ]
+    )
+    if any(s.error == OFFLINE for s in sources):
+        warnings.append(f"device {device.device_id}: its streams on the hub are {OFFLINE}")
+    events_stream = EVENTS.stream_name(device.shard)
+    subject = f"{EVENTS.subject_prefix(device.device_id)}.{device.device_id}.heartbeat"
+    heartbeat = (
+        await fleet.api.last_message(events_stream, subject) if fleet.infos[events_stream] else None
+    )
+    if heartbeat is not None and not (sender := _beat_sender(subject, heartbeat)).trusted:
+        fleet.forged.note(sender)
+        heartbeat = None  # it names another device: not this one's word on itself
+    beat_at = parse_time(heartbeat.get("time")) if heartbeat else None
+    beat_age = round(max((fleet.now - beat_at).total_seconds(), 0.0), 3) if beat_at else None
+    ages = [a for a in (beat_age, *(s.last_active_s for s in sources)) if a is not None]
+    last_seen = min(ages) if ages else None
+    tally = await fleet.index.tally(device.device_id)
+    if tally.forged:
+        fleet.forged.note(Attribution(device.device_id, tally.forged_example), tally.forged)
+    counts, last_error = await _command_state(
+        fleet.api, fleet.js, tally, device.device_id, fleet.now
+    )
+    gaps = hub_gaps(sources, heartbeat, accounted)
+    warnings.extend(
+        f"device {device.device_id}: the hub's copy of its {stream} skipped {skipped} "
+        f"sequences, the device reports dropping {dropped} (hub-ingest audit names them)"
+        for stream, (skipped, dropped) in gaps.items()
+    )
+    warnings.extend(_gap_warnings(device.device_id, device_gaps))
+    report = DeviceReport(
+        device_id=device.device_id,
+        domain=device.domain,
+        shard=device.shard,
+        link_connected=None
+        if fleet.leaves is None
+        else bool(fleet.leaves & {device.domain, island_name(device.device_id)}),
+        sources=sources,
+        last_heartbeat_at=format_time(beat_at) if beat_at else None,
+        last_heartbeat_age_s=beat_age,
+        last_seen_s=last_seen,
+        telemetry_dropped=_beat_figure(heartbeat, "streams", "TELEMETRY", "dropped"),
+        dead_letters=_beat_figure(heartbeat, "outbox", "dead_letters"),
+        commands=counts,
+        last_error=last_error,
+        flags=_flags(last_seen, fleet.silent_after, gaps, device_gaps),
+        incarnations=device.incarnations,
+        forged_events=fleet.forged.counts[device.device_id],
+        uplinks=_beat_uplinks(heartbeat),
+        gaps=device_gaps,
+    )
+    return report, warnings
+
+
 async def collect_report(
     nc: Client,
     config: HubConfig,
@@ -284,75 +382,17 @@ async def collect_report(
     for name in event_streams:
         await _heartbeat_forgeries(api, name, forged)
 
-    mirror_gaps = await read_gaps(js)
-    reports = []
-    for device in devices:
-        records = [
-            mirror_gaps[name]
-            for i in device.incarnations
-            if (name := mirror_name(device.device_id, i)) in mirror_gaps
-        ]
-        device_gaps = GapCounts.of(records, now)
-        current = [r for r in records if _current(device, r)]
-        accounted = {
-            stream: GapCounts.of([r for r in current if r.device_stream == stream], now).accounted()
-            for stream in {r.device_stream for r in current}
-        }
-        sources = tuple(
-            [
-                _source_state(
-                    infos[a.stream_name(device.shard)],
-                    await _mirror_info(api, device, a.device_stream),
-                    a.stream_name(device.shard),
-                    device,
-                )
-                for a in AGGREGATES
-            ]
-        )
-        events_stream = EVENTS.stream_name(device.shard)
-        subject = f"{EVENTS.subject_prefix(device.device_id)}.{device.device_id}.heartbeat"
-        heartbeat = await api.last_message(events_stream, subject) if infos[events_stream] else None
-        if heartbeat is not None and not (sender := _beat_sender(subject, heartbeat)).trusted:
-            forged.note(sender)
-            heartbeat = None  # it names another device: not this one's word on itself
-        beat_at = parse_time(heartbeat.get("time")) if heartbeat else None
-        beat_age = round(max((now - beat_at).total_seconds(), 0.0), 3) if beat_at else None
-        ages = [a for a in (beat_age, *(s.last_active_s for s in sources)) if a is not None]
-        last_seen = min(ages) if ages else None
-        tally = await index.tally(device.device_id)
-        if tally.forged:
-            forged.note(Attribution(device.device_id, tally.forged_example), tally.forged)
-        counts, last_error = await _command_state(api, js, tally, device.device_id, now)
-        gaps = hub_gaps(sources, heartbeat, accounted)
-        warnings.extend(
-            f"device {device.device_id}: the hub's copy of its {stream} skipped {skipped} "
-            f"sequences, the device reports dropping {dropped} (hub-ingest audit names them)"
-            for stream, (skipped, dropped) in gaps.items()
-        )
-        warnings.extend(_gap_warnings(device.device_id, device_gaps))
-        reports.append(
-            DeviceReport(
-                device_id=device.device_id,
-                domain=device.domain,
-                shard=device.shard,
-                link_connected=None
-                if leaves is None
-                else bool(leaves & {device.domain, island_name(device.device_id)}),
-                sources=sources,
-                last_heartbeat_at=format_time(beat_at) if beat_at else None,
-                last_heartbeat_age_s=beat_age,
-                last_seen_s=last_seen,
-                telemetry_dropped=_beat_figure(heartbeat, "streams", "TELEMETRY", "dropped"),
-                dead_letters=_beat_figure(heartbeat, "outbox", "dead_letters"),
-                commands=counts,
-                last_error=last_error,
-                flags=_flags(last_seen, silent_after, gaps, device_gaps),
-                incarnations=device.incarnations,
-                forged_events=forged.counts[device.device_id],
-                uplinks=_beat_uplinks(heartbeat),
-                gaps=device_gaps,
-            )
-        )
+    fleet = _Fleet(api, js, index, infos, await read_gaps(js), leaves, forged, now, silent_after)
+    limit = asyncio.Semaphore(CONCURRENT_DEVICES)
+
+    async def one(device: Device) -> tuple[DeviceReport, list[str]]:
+        async with limit:
+            return await _device_report(fleet, device)
+
+    done = await asyncio.gather(*(one(d) for d in devices))
+    reports = [report for report, _ in done]
+    for _, said in done:
+        warnings.extend(said)
     warnings.extend(forged.warnings())
     warnings.extend(
         f"device {d.device_id} has {d.dead_letters} outbox rows its island refused for good "

@@ -19,6 +19,12 @@ from hub_ingest.core.errors import ReportError
 
 # JetStream's err_code for "stream not found" and "no message found".
 _NOT_FOUND_CODES = (10059, 10037)
+# "JetStream system temporarily unavailable": on a cluster, a stream whose node is down.
+_UNAVAILABLE_CODE = 10008
+# A stream whose node went down is not answered for at all; the report does not wait long.
+_DEVICE_STREAM_TIMEOUT_S = 2.0
+# What `device_stream_info` answers for a device stream that cannot be read right now.
+OFFLINE = "offline: the hub node that holds it is down"
 
 
 class HubApi:
@@ -30,12 +36,13 @@ class HubApi:
         self._timeout = timeout
 
     async def request(
-        self, api: str, body: Mapping[str, Any] | None = None
+        self, api: str, body: Mapping[str, Any] | None = None, *, timeout: float | None = None
     ) -> dict[str, Any] | None:
         """The response to ``<prefix>.<api>``; None when the stream or message does not exist."""
         payload = json.dumps(body).encode() if body is not None else b""
+        wait = self._timeout if timeout is None else timeout
         try:
-            msg = await self._nc.request(f"{self._prefix}.{api}", payload, timeout=self._timeout)
+            msg = await self._nc.request(f"{self._prefix}.{api}", payload, timeout=wait)
         except nats.errors.NoRespondersError:
             raise ReportError(
                 f"no JetStream answers on {self._prefix} (wrong hub domain?)"
@@ -45,11 +52,25 @@ class HubApi:
         if isinstance(error, dict):
             if error.get("err_code") in _NOT_FOUND_CODES or error.get("code") == 404:
                 return None
-            raise ReportError(f"{api}: {error.get('description')} (code {error.get('err_code')})")
+            code = error.get("err_code")
+            raise ReportError(f"{api}: {error.get('description')} (code {code})", err_code=code)
         return data
 
     async def stream_info(self, name: str) -> dict[str, Any] | None:
         return await self.request(f"STREAM.INFO.{name}")
+
+    async def device_stream_info(self, name: str) -> dict[str, Any] | None:
+        """`stream_info` of one of a device's own streams. On a cluster each lives on one
+        node (``cluster.device_replicas``); while that node is down the answer is
+        ``{"offline": OFFLINE}`` and the report goes on with the rest of the fleet."""
+        try:
+            return await self.request(f"STREAM.INFO.{name}", timeout=_DEVICE_STREAM_TIMEOUT_S)
+        except nats.errors.TimeoutError:
+            return {"offline": OFFLINE}
+        except ReportError as exc:
+            if exc.err_code == _UNAVAILABLE_CODE:
+                return {"offline": OFFLINE}
+            raise
 
     async def last_message(self, stream: str, subject: str) -> dict[str, Any] | None:
         reply = await self.request(f"STREAM.MSG.GET.{stream}", {"last_by_subj": subject})
