@@ -65,8 +65,15 @@ def main() -> int:
     parser.add_argument("--agents", type=int, default=2, help="real agents in each fleet")
     parser.add_argument(
         "--leaf-compression",
-        default="s2_auto",
-        help="the hub's server.leaf_compression (default: the product's, s2_auto)",
+        default="accept",
+        help="the hub's server.leaf_compression (default: the product's, accept)",
+    )
+    parser.add_argument(
+        "--compressed",
+        type=float,
+        default=0.0,
+        help="share of the islands whose link is compressed (s2_auto: a slow link); the "
+        "others choose by round trip, which on loopback is off",
     )
     parser.add_argument(
         "--reconnect", default="250ms", help="the islands' hub.reconnect (the product's: 250ms)"

@@ -35,7 +35,7 @@ API_TIMEOUT = 30.0  # for the bench's JetStream requests to the hub (default 5 s
 TICKS = os.sysconf("SC_CLK_TCK")
 FRESH = {TELEMETRY: "tele.bench.fresh", EVENTS: "evt.bench.fresh"}
 METRICS: tuple[str, ...] = ("enrol", "attach", "pass", "ready", "fanout", "rss", "fds", "cpu")
-METRICS += ("report", "status", "resume")
+METRICS += ("report", "status", "raft", "add", "resume")
 # Per device, in these units: the slope of what is measured against the fleet's size.
 SLOPES = {
     "enrol": ("enrol_total", "s"),
@@ -48,6 +48,7 @@ SLOPES = {
     "fanout": ("fanout", "s"),
     "report": ("report", "s"),
     "status": ("status", "s"),
+    "raft": ("raft", "groups"),
     "resume": ("resume", "s"),
     "down": ("down", "s"),
 }

@@ -40,6 +40,7 @@ from edge_agent.protocol.errors import MonitorUnavailable
 from edge_agent.protocol.monitor import Monitor
 from edge_agent.protocol.names import COMMAND_MIRROR, OUTBOUND
 from edge_agent.protocol.natsserver import ServerProcess
+from edge_agent.protocol.tomlconf import BY_RTT
 from hub_ingest.commands.send import new_envelope, send
 from hub_ingest.fleet.enrol import Enrolment, enrol_many
 from hub_ingest.fleet.provision import mirror_name, provision
@@ -106,7 +107,13 @@ ISLAND_NICENESS = 19
 
 
 def new_island(
-    root: Path, device_id: str, leaf_urls: list[str], seed: Path, retry: tuple[str, str]
+    root: Path,
+    device_id: str,
+    leaf_urls: list[str],
+    seed: Path,
+    retry: tuple[str, str],
+    *,
+    compression: str = BY_RTT,
 ) -> Island:
     reconnect, spread = retry
     home = root / device_id
@@ -126,6 +133,7 @@ def new_island(
             "credentials": str(seed),
             "reconnect": reconnect,
             "reconnect_spread": spread,
+            "compression": compression,
         },
     }
     config = parse_config(data)
@@ -140,10 +148,12 @@ class Fleet:
     root: Path
     hub: Hub
     reconnect: tuple[str, str]  # the islands' hub.reconnect and hub.reconnect_spread
+    compressed: float = 0.0  # the share of islands whose link is compressed (slow links)
     islands: list[Island] = field(default_factory=list)
     mirrors: dict[str, dict[str, str]] = field(default_factory=dict)  # device -> stream -> name
     enrol_total: float = 0.0
     attach_total: float = 0.0
+    max_leafs: int = 0  # the most leaf connections at once during the last restart
 
     @property
     def nodes(self) -> list[ServerProcess]:
@@ -199,6 +209,21 @@ class Fleet:
         self.attach_total += attach_s
         return enrol_s / len(ids), attach_s / len(ids)
 
+    async def add_one(self) -> float:
+        """Seconds the hub spends adding one device to the fleet as it is: its enrolment
+        (users file, reload, its streams) and its attachment once its link is up."""
+        device_id = f"one{self.size:04d}"
+        homes = self.root / "devices"
+        wanted = [Enrolment(device_id, None, line=1, seed_file=homes / device_id / "hub.nk")]
+        start = time.monotonic()
+        await self.enrol(wanted)
+        enrolled = time.monotonic() - start
+        await self.start_island(homes, device_id)
+        await self.await_links([device_id])
+        start = time.monotonic()
+        await self.attach({device_id})
+        return enrolled + time.monotonic() - start
+
     async def await_links(self, ids: Sequence[str]) -> float:
         """Until each of `ids`' islands has its leaf link to the hub up."""
         monitors = {i.device_id: i.monitor for i in self.islands if i.device_id in ids}
@@ -225,7 +250,10 @@ class Fleet:
         its ports between `free_port` and the server's bind (the machine is shared)."""
         for attempt in range(ATTEMPTS):
             seed = homes / device_id / "hub.nk"
-            island = new_island(homes, device_id, self.leaf_urls, seed, self.reconnect)
+            n = len(self.islands)
+            slow = int((n + 1) * self.compressed) > int(n * self.compressed)
+            compression = "s2_auto" if slow else BY_RTT
+            island = new_island(homes, device_id, self.leaf_urls, seed, self.reconnect, compression)
             try:
                 await island.start()
             except MonitorUnavailable:
@@ -244,7 +272,7 @@ class Fleet:
             try:
                 registry = await Registry.open(self.hub.js)
                 await self._record_first(registry, ids)
-                await provision(self.hub.js, self.hub.config, await registry.list())
+                await provision(self.hub.js, self.hub.config, await registry.list(), only=ids)
                 devices = await registry.list()
             except (nats.errors.Error, TimeoutError) as exc:
                 # A hub this busy answers late: try again (what the watcher would do).
@@ -372,18 +400,45 @@ class Fleet:
         await asyncio.gather(*(node.start(timeout=timeout) for node in self.nodes))
         track(*self.nodes)
         up = time.monotonic() - start
-        fresh = await self.publish_fresh()
-        await self.broadcast(timeout)
+        sampler = asyncio.create_task(self._sample_leafs())
+        try:
+            fresh = await self.publish_fresh()
+            await self.broadcast(timeout)
 
-        async def since_kill(waited: Awaitable[float]) -> float:
-            await waited
-            return time.monotonic() - start
+            async def since_kill(waited: Awaitable[float]) -> float:
+                await waited
+                return time.monotonic() - start
 
-        resume, down = await asyncio.gather(
-            since_kill(self.await_fresh(fresh, timeout, "fresh message at hub after restart")),
-            since_kill(self.await_command(before, timeout)),
-        )
+            resume, down = await asyncio.gather(
+                since_kill(self.await_fresh(fresh, timeout, "fresh message at hub after restart")),
+                since_kill(self.await_command(before, timeout)),
+            )
+        finally:
+            sampler.cancel()
         return up, resume, down
+
+    async def _sample_leafs(self) -> None:
+        """The most leaf connections the hub held at once (`max_leafs`), every 0.2 s."""
+        self.max_leafs = 0
+        while True:
+            total = 0
+            for node in self.nodes:
+                with contextlib.suppress(MonitorUnavailable):
+                    total += int((await node.monitor.get("/varz")).get("leafnodes") or 0)
+            self.max_leafs = max(self.max_leafs, total)
+            await asyncio.sleep(0.2)  # a sampling period, not a synchronisation
+
+    async def raft_groups(self) -> int:
+        """Raft groups in the hub's JetStream (the meta group left out), counted once each
+        across the nodes (``/raftz``)."""
+        groups: set[str] = set()
+        for node in self.nodes:
+            with contextlib.suppress(MonitorUnavailable):
+                raftz = await node.monitor.get("/raftz")
+                for account in raftz.values():
+                    if isinstance(account, dict):
+                        groups.update(g for g in account if g != "_meta_")
+        return len(groups)
 
     async def close(self) -> None:
         await asyncio.gather(*(island.close() for island in self.islands))

@@ -81,7 +81,7 @@ async def start_fleet(mode: str, root: Path, args: argparse.Namespace) -> Fleet:
     # A hub with hundreds of streams (and, on R3, Raft groups) on a busy machine may answer
     # an API request after the client's default 5 s: the bench measures, it does not give up.
     hub.js = hub.nc.jetstream(domain=hub.config.nats.domain, timeout=API_TIMEOUT)
-    fleet = Fleet(mode, root, hub, (args.reconnect, args.reconnect_spread))
+    fleet = Fleet(mode, root, hub, (args.reconnect, args.reconnect_spread), args.compressed)
     track(*fleet.nodes)
     try:
         for i in range(args.agents):
@@ -153,7 +153,11 @@ async def measure_size(fleet: Fleet, size: int, args: argparse.Namespace) -> dic
     replicas = fleet.hub.config.replicas
     status = partial(command_status, fleet.hub.js, command, devices, replicas=replicas)
     row["status"] = await timed_or_nan(status, f"{mode} command status")
+    row["raft"] = await fleet.raft_groups()
+    row["add"] = await fleet.add_one()
     row["up"], row["resume"], row["down"] = await fleet.restart(args.timeout)
+    row["restart_peak"] = fleet.peak_rss()  # the servers started afresh: their peak since
+    row["leafs"] = fleet.max_leafs
     return row
 
 

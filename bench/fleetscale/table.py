@@ -19,7 +19,9 @@ def line(mode: str, row: dict[str, float], agents: int) -> str:
         f"hub_rss={row['rss']:.0f}MiB (peak {row['peak']:.0f}) hub_fds={row['fds']:.0f} "
         f"hub_cpu={row['cpu']:.1f}%core "
         f"report={row['report'] * 1000:.0f}ms status={row['status'] * 1000:.0f}ms "
-        f"restart: up={row['up']:.1f}s resume={row['resume']:.1f}s down={row['down']:.1f}s"
+        f"raft_groups={row['raft']:.0f} add_one={row['add']:.2f}s "
+        f"restart: up={row['up']:.1f}s resume={row['resume']:.1f}s down={row['down']:.1f}s "
+        f"peak={row['restart_peak']:.0f}MiB leaf_connections<={row['leafs']:.0f}"
     )
 
 
@@ -56,20 +58,26 @@ def summarise(results: dict[str, list[dict[str, float]]], args: argparse.Namespa
     # The cluster at the largest size asked for; a size a hub could not do shows as nan.
     mode = "cluster" if "cluster" in args.modes else "single"
     target = max(args.sizes)
-    nan = dict.fromkeys((*METRICS, "up", "down", "peak"), float("nan"))
+    nan = dict.fromkeys((*METRICS, "up", "down", "peak", "restart_peak", "leafs"), float("nan"))
     runs = cluster if mode == "cluster" else single
     last = runs.get(target, nan)
     cost = costs.get(mode, {name: float("nan") for name in SLOPES})
+    devices = float(target)
     extra = "".join(f" {k}={v:.2f}" for k, v in args.baseline.items())
     print(
-        f"devices={target} enrol_s_per_device={cost['enrol']:.4f} "
-        f"hub_rss_mb_per_device={cost['rss']:.3f} restart_resume_s={last['resume']:.1f} "
-        f"report_s={last['report']:.3f} mode={mode} measured_up_to={max(runs, default=0)} "
-        f"agents={args.agents} leaf_compression={args.leaf_compression} "
+        f"devices={target} rss_mib_per_device={cost['rss']:.3f} "
+        f"fds_per_device={cost['fds']:.2f} idle_cpu_pct_per_device={cost['cpu']:.4f} "
+        f"resume_s={last['resume']:.1f} "
+        f"report_ms_per_device={last['report'] * 1000 / devices:.2f} "
+        f"raft_groups_per_device={cost['raft']:.3f} "
+        f"add_one_s={last['add']:.3f} "
+        f"restart_peak_over_steady={last['restart_peak'] / last['rss']:.2f} "
+        f"leaf_connections_per_device={last['leafs'] / (devices + args.agents + 1):.2f} "
+        f"mode={mode} measured_up_to={max(runs, default=0)} agents={args.agents} "
+        f"compressed={args.compressed} leaf_compression={args.leaf_compression} "
         f"reconnect={args.reconnect} reconnect_spread={args.reconnect_spread} "
-        f"attach_s_per_device={cost['attach']:.4f} "
+        f"enrol_s_per_device={cost['enrol']:.4f} attach_s_per_device={cost['attach']:.4f} "
         f"provision_pass_s={last['pass']:.2f} hub_rss_mb={last['rss']:.0f} "
-        f"hub_cpu_pct_per_device={cost['cpu']:.4f} status_s={last['status']:.3f} "
-        f"restart_up_s={last['up']:.1f} restart_down_s={last['down']:.1f} "
-        f"fanout_s={last['fanout']:.1f} hub_fds={last['fds']:.0f}{extra}"
+        f"status_s={last['status']:.3f} restart_up_s={last['up']:.1f} "
+        f"restart_down_s={last['down']:.1f} hub_fds={last['fds']:.0f}{extra}"
     )

@@ -87,6 +87,16 @@ class NodeConfig:
     route: str  # nats-route://host:port, where the other nodes reach this one
     cluster_listen: str
     server: ServerConfig
+    gateway_listen: str | None = None  # where other regions' gateways reach this node
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    """Another region of a supercluster (``[[cluster.gateways]]``): its cluster's name and
+    its nodes' gateway URLs."""
+
+    name: str
+    urls: tuple[str, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +109,8 @@ class ClusterConfig:
     # Of each device's own streams (its mirrors, CMD_<id>). 1, the default, gives them no Raft
     # group: what a device's streams hold, its island holds too (docs/scaling.md).
     device_replicas: int = 1
+    # The other regions, when this cluster is one region of a supercluster (docs/scaling.md).
+    gateways: tuple[GatewayConfig, ...] = ()
 
     def node(self, name: str) -> NodeConfig:
         for node in self.nodes:
@@ -341,8 +353,31 @@ def _cluster(section: Section, server_data: dict[str, Any], state_dir: Path) -> 
         raise agent_errors.ConfigError("cluster.nodes", f"node names must differ: {names}")
     replicas = _replicas(section, "replicas", min(3, len(nodes)), len(nodes))
     device_replicas = _replicas(section, "device_replicas", 1, len(nodes))
+    gateways = tuple(
+        _gateway(Section(raw, f"cluster.gateways[{i}]"))
+        for i, raw in enumerate(section.get("gateways", _tables, []))
+    )
     section.finish()
-    return ClusterConfig(name, replicas, nodes, device_replicas)
+    if gateways:
+        for node in nodes:
+            if node.gateway_listen is None:
+                raise agent_errors.ConfigError(
+                    f"cluster.nodes[{node.name}].gateway_listen",
+                    "required when the cluster has gateways to other regions",
+                )
+    return ClusterConfig(name, replicas, nodes, device_replicas, gateways)
+
+
+def _gateway(sec: Section) -> GatewayConfig:
+    gateway = GatewayConfig(sec.get("name", identifier), sec.get("urls", url_list))
+    sec.finish()
+    return gateway
+
+
+def _tables(value: object) -> list[dict[str, Any]]:
+    if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+        raise ValueError("expected an array of tables")
+    return value
 
 
 def _replicas(section: Section, key: str, default: int, nodes: int) -> int:
@@ -366,6 +401,7 @@ def _node(sec: Section, server_data: dict[str, Any], state_dir: Path) -> NodeCon
     route = sec.get("route", _route)
     port = route.rsplit(":", 1)[1]
     cluster_listen = sec.get("cluster_listen", _listen, f"0.0.0.0:{port}")
+    gateway_listen = sec.get("gateway_listen", _listen, None)
     own = {key: sec.get(key, _raw, None) for key in _NODE_KEYS}
     sec.finish()
     if "server_name" in server_data:
@@ -374,7 +410,7 @@ def _node(sec: Section, server_data: dict[str, Any], state_dir: Path) -> NodeCon
         )
     data = {**server_data, **{k: v for k, v in own.items() if v is not None}, "server_name": name}
     server = _server(Section(data, f"cluster.nodes[{name}]"), state_dir, state_dir / name)
-    return NodeConfig(name, route, cluster_listen, server)
+    return NodeConfig(name, route, cluster_listen, server, gateway_listen)
 
 
 def _raw(value: object) -> object:

@@ -105,6 +105,9 @@ def device_permissions(device: Device, hub_domain: str) -> dict[str, Any]:
     }
 
 
+SYSTEM_ACCOUNT = "SYS"
+
+
 def render_auth(operator_key: str, devices: Iterable[Device], hub_domain: str) -> str:
     users: list[dict[str, Any]] = [{"nkey": operator_key}]
     for device in devices:
@@ -119,6 +122,8 @@ accounts {{
       {lines}
     ]
   }}
+  # No users: the system account a hub that is one region of a supercluster names.
+  {SYSTEM_ACCOUNT}: {{}}
 }}
 """
 

@@ -11,7 +11,8 @@ import os
 from pathlib import Path
 
 from edge_agent.protocol.tomlconf import render_sync
-from hub_ingest.core.config import HubConfig, LeafTlsConfig
+from hub_ingest.core.config import ClusterConfig, HubConfig, LeafTlsConfig, NodeConfig
+from hub_ingest.fleet.auth import SYSTEM_ACCOUNT
 
 # The hub's nats-server runs with the Go runtime's GOGC at 25 (stock: 100): it collects when
 # the heap has grown by a quarter instead of doubled. Measured at 50 devices: 0.97 MiB of RSS
@@ -74,6 +75,10 @@ def _cluster_block(config: HubConfig) -> str:
         return ""
     node = config.cluster.node(config.server.server_name)
     routes = [n.route for n in config.cluster.nodes if n.name != node.name]
+    if not routes and config.cluster.gateways:
+        # JetStream refuses a gateway on a server with no route configured; a route to itself,
+        # which nats-server recognises and drops, makes a one-node region.
+        routes = [node.route]
     return f"""
 cluster {{
   name: {json.dumps(config.cluster.name)}
@@ -81,5 +86,28 @@ cluster {{
   routes: {json.dumps(routes)}
   # Clients and leaf nodes use the URLs they were given, as for the leaf listener.
   no_advertise: true
+}}
+{_gateway_block(config.cluster, node)}"""
+
+
+def _gateway_block(cluster: ClusterConfig, node: NodeConfig) -> str:
+    """This region's gateways to the others: one JetStream domain across them (one meta
+    group; a stream lives in the cluster it is placed in), subjects routed by interest."""
+    if not cluster.gateways:
+        return ""
+    peers = ",\n    ".join(
+        f"{{name: {json.dumps(g.name)}, urls: {json.dumps(list(g.urls))}}}"
+        for g in cluster.gateways
+    )
+    return f"""
+# nats-server asks for a system account named when leaf nodes and gateways meet.
+system_account: {json.dumps(SYSTEM_ACCOUNT)}
+
+gateway {{
+  name: {json.dumps(cluster.name)}
+  listen: {json.dumps(node.gateway_listen)}
+  gateways: [
+    {peers}
+  ]
 }}
 """
