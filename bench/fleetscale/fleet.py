@@ -253,7 +253,9 @@ class Fleet:
             n = len(self.islands)
             slow = int((n + 1) * self.compressed) > int(n * self.compressed)
             compression = "s2_auto" if slow else BY_RTT
-            island = new_island(homes, device_id, self.leaf_urls, seed, self.reconnect, compression)
+            island = new_island(
+                homes, device_id, self.leaf_urls, seed, self.reconnect, compression=compression
+            )
             try:
                 await island.start()
             except MonitorUnavailable:

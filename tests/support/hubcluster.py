@@ -120,7 +120,7 @@ class ClusterHub(Hub):
         for name in await stream_names(self.js):
             info = await self.js.stream_info(name)
             peers = (info.cluster.replicas or []) if info.cluster else []
-            if len(peers) != info.config.num_replicas - 1 or not all(
+            if len(peers) != (info.config.num_replicas or 1) - 1 or not all(
                 p.current and not p.offline for p in peers
             ):
                 return False
