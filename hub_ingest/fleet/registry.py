@@ -10,6 +10,7 @@ first (`hub_ingest.fleet.watch` records them): the hub keeps one mirror per inca
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 from collections import Counter
@@ -87,6 +88,9 @@ def assign_shards(existing: Iterable[Device], count: int, max_per_shard: int) ->
     return shards
 
 
+_READ_AT_ONCE = 64
+
+
 class Registry:
     def __init__(self, js: JetStreamContext, kv: KeyValue) -> None:
         self._js = js
@@ -103,13 +107,19 @@ class Registry:
         return cls(js, kv)
 
     async def list(self) -> list[Device]:
-        devices = []
-        for device_id in await bucket_keys(self._js, BUCKET):
-            try:
-                devices.append(await self.get(device_id))
-            except RegistryError:  # removed since: its subject keeps the delete marker
-                continue
-        return devices
+        """Every registered device, by id; read `_READ_AT_ONCE` at a time (one after the other,
+        a fleet of 500 took 0.15 s a listing, and adding a device lists it several times)."""
+        gate = asyncio.Semaphore(_READ_AT_ONCE)
+
+        async def read(device_id: str) -> Device | None:
+            async with gate:
+                try:
+                    return await self.get(device_id)
+                except RegistryError:  # removed since: its subject keeps the delete marker
+                    return None
+
+        found = await asyncio.gather(*map(read, await bucket_keys(self._js, BUCKET)))
+        return [device for device in found if device is not None]
 
     async def get(self, device_id: str) -> Device:
         try:
