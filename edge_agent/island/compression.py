@@ -15,6 +15,7 @@ once).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -31,6 +32,9 @@ log = structlog.get_logger(__name__)
 
 OFF = "off"
 ON = "s2_auto"
+# nats-server measures a leaf's round trip when it connects and at each ping (2 min): no
+# need to ask it at every link poll.
+CHECK_EVERY_S = 10.0
 
 
 def choice_path(config: Config) -> Path:
@@ -62,16 +66,18 @@ class LinkCompression:
         self._config = config
         self._monitor = monitor
         self._reload = reload  # None: the island is not ours to reload (external mode)
+        self._next_check = 0.0
 
     async def step(self) -> None:
-        if self._config.hub.compression != BY_RTT:
+        if self._config.hub.compression != BY_RTT or time.monotonic() < self._next_check:
             return
         try:
             rtt = await self._monitor.leaf_rtt()
         except MonitorUnavailable:
             return
         if rtt is None:
-            return
+            return  # no link yet: asked again at the next poll
+        self._next_check = time.monotonic() + CHECK_EVERY_S
         current = link_mode(self._config)
         mode = choose(rtt, current, self._config.hub.compress_rtt)
         if mode == current:
