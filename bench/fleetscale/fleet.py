@@ -42,6 +42,7 @@ from edge_agent.protocol.names import COMMAND_MIRROR, OUTBOUND
 from edge_agent.protocol.natsserver import ServerProcess
 from edge_agent.protocol.tomlconf import BY_RTT
 from hub_ingest.commands.send import new_envelope, send
+from hub_ingest.fleet.auth import ACCOUNT
 from hub_ingest.fleet.enrol import Enrolment, enrol_many
 from hub_ingest.fleet.provision import mirror_name, provision
 from hub_ingest.fleet.registry import Device as Registered
@@ -434,15 +435,13 @@ class Fleet:
             await asyncio.sleep(0.2)  # a sampling period, not a synchronisation
 
     async def raft_groups(self) -> int:
-        """Raft groups in the hub's JetStream (the meta group left out), counted once each
-        across the nodes (``/raftz``)."""
+        """Raft groups of the fleet's account (streams and consumers; the meta group is the
+        system account's), counted once each across the nodes (``/raftz``)."""
         groups: set[str] = set()
         for node in self.nodes:
             with contextlib.suppress(MonitorUnavailable):
-                raftz = await node.monitor.get("/raftz")
-                for account in raftz.values():
-                    if isinstance(account, dict):
-                        groups.update(g for g in account if g != "_meta_")
+                raftz = await node.monitor.get(f"/raftz?acc={ACCOUNT}")
+                groups.update(raftz.get(ACCOUNT) or {})
         return len(groups)
 
     async def close(self) -> None:
