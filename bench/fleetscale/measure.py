@@ -100,15 +100,19 @@ async def measure_mode(
     rows: list[dict[str, float]] = []
     try:
         for size in sizes:
+            row: dict[str, float] = {"size": size}
             try:
-                rows.append(await guarded(fleet, measure_size(fleet, size, args), args.max_hub_rss))
+                await guarded(fleet, measure_size(fleet, row, args), args.max_hub_rss)
+                rows.append(row)
             except (BenchError, MonitorUnavailable, nats.errors.Error, TimeoutError) as exc:
-                # What a hub could not do at this size is a result too: say it, keep the rest.
+                # What a hub could not do at this size is a result too: say it, with what was
+                # measured before it, and keep the rest.
                 peak = fleet.peak_rss()
+                measured = " ".join(f"{k}={v:.3g}" for k, v in row.items() if k != "size")
                 print(
                     f"{mode:7} devices={size:4d}+{args.agents} FAILED after "
                     f"{fleet.size} islands started: {exc!r} at {where(exc)}; hub peak RSS "
-                    f"{peak:.0f} MiB",
+                    f"{peak:.0f} MiB; measured before: {measured or 'nothing'}",
                     flush=True,
                 )
                 break
@@ -134,10 +138,10 @@ async def guarded(fleet: Fleet, step: Awaitable[T], cap_mib: float) -> T:
             raise BenchError(f"hub RSS {rss:.0f} MiB passed --max-hub-rss {cap_mib:.0f} MiB")
 
 
-async def measure_size(fleet: Fleet, size: int, args: argparse.Namespace) -> dict[str, float]:
+async def measure_size(fleet: Fleet, row: dict[str, float], args: argparse.Namespace) -> None:
+    """Fill `row` (whose ``size`` says how many devices) as each measurement is taken."""
     mode = fleet.mode
-    row: dict[str, float] = {"size": size}
-    row["enrol"], row["attach"] = await fleet.grow(size)
+    row["enrol"], row["attach"] = await fleet.grow(int(row["size"]))
     row["enrol_total"], row["attach_total"] = fleet.enrol_total, fleet.attach_total
     fresh = await fleet.publish_fresh()
     row["ready"] = await fleet.await_fresh(fresh, args.timeout, "fresh message at hub")
@@ -158,7 +162,6 @@ async def measure_size(fleet: Fleet, size: int, args: argparse.Namespace) -> dic
     row["up"], row["resume"], row["down"] = await fleet.restart(args.timeout)
     row["restart_peak"] = fleet.peak_rss()  # the servers started afresh: their peak since
     row["leafs"] = fleet.max_leafs
-    return row
 
 
 async def enrol_costs(root: Path, n: int) -> tuple[float, float]:
