@@ -188,16 +188,21 @@ async def start_local_hub(
     write_durably(conf, render_server_config(config))
     monitor = f"http://{config.server.monitor_listen}"
     server = await ServerProcess(conf, monitor, env=SERVER_ENV).start()
+    nc, js = await admin_connection(config)
+    await provision(js, config, [])
+    return LocalHub(config, server, nc, js)
+
+
+async def admin_connection(config: HubConfig) -> tuple[Client, JetStreamContext]:
+    """The operators' connection to a local hub (any of its servers), reconnecting for ever."""
     nc = await nats.connect(
-        config.nats.servers[0],
+        list(config.nats.servers),
         nkeys_seed=str(config.nats.credentials),
         max_reconnect_attempts=-1,
         reconnect_time_wait=0.2,
         error_cb=_quiet,
     )
-    js = nc.jetstream(domain=config.nats.domain)
-    await provision(js, config, [])
-    return LocalHub(config, server, nc, js)
+    return nc, nc.jetstream(domain=config.nats.domain)
 
 
 @dataclass

@@ -285,6 +285,14 @@ def run_cli(module: str, *args: str, timeout: float = 60) -> subprocess.Complete
     )
 
 
+async def provisioned(hub: LocalHub) -> bool:
+    """Provision once the meta leader answers (right after start a cluster may have none)."""
+    with contextlib.suppress(Exception):
+        await provision(hub.js, hub.config, [])
+        return True
+    return False
+
+
 def write_agent_config(device: Device, path: Path, extra: str = "") -> Path:
     """The device's config as TOML, for tests that drive the CLI; `extra` is appended."""
     cfg = device.config

@@ -9,22 +9,19 @@ moves to another node when its node dies.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import nats
 
 from edge_agent.protocol.files import write_durably
 from edge_agent.protocol.monitor import Monitor
 from edge_agent.protocol.natsserver import ServerProcess
 from hub_ingest.core.config import HubConfig, parse_hub_config
 from hub_ingest.fleet.auth import write_auth
-from hub_ingest.fleet.provision import provision, stream_names
+from hub_ingest.fleet.provision import stream_names
 from hub_ingest.fleet.server import SERVER_ENV, render_server_config
 from hub_ingest.fleet.watch import watch
-from hub_ingest.local.fleet import free_port
-from tests.support.cluster import Hub, _quiet
+from hub_ingest.local.fleet import admin_connection, free_port
+from tests.support.cluster import Hub, provisioned
 from tests.support.waiting import eventually
 
 NODES = ("hub-1", "hub-2", "hub-3")
@@ -146,31 +143,16 @@ async def start_cluster_hub(
         )
     # A node is healthy once the cluster has a JetStream leader: start them together.
     await asyncio.gather(*(server.start(timeout=60) for server in nodes.values()))
-    nc = await nats.connect(
-        list(config.nats.servers),
-        nkeys_seed=str(config.nats.credentials),
-        max_reconnect_attempts=-1,
-        reconnect_time_wait=0.2,
-        error_cb=_quiet,
-    )
-    js = nc.jetstream(domain=config.nats.domain)
+    nc, js = await admin_connection(config)
     hub = ClusterHub(config, nodes[NODES[0]], nc, js, root, nodes=nodes)
     try:
-        await eventually(lambda: _provisioned(hub), timeout=60, what="cluster provisioned")
+        await eventually(lambda: provisioned(hub), timeout=60, what="cluster provisioned")
     except BaseException:
         await hub.close()
         raise
     if watching:
         hub.start_watch()
     return hub
-
-
-async def _provisioned(hub: ClusterHub) -> bool:
-    """Provision once the meta leader answers (right after start it may not have one)."""
-    with contextlib.suppress(Exception):
-        await provision(hub.js, hub.config, [])
-        return True
-    return False
 
 
 __all__ = ["NODES", "ClusterHub", "loopback_cluster_config", "start_cluster_hub"]

@@ -9,19 +9,15 @@ Each region is a `Hub` whose devices link to that region's leaf listener.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from pathlib import Path
-
-import nats
 
 from edge_agent.protocol.files import write_durably
 from edge_agent.protocol.natsserver import ServerProcess
 from hub_ingest.core.config import HubConfig, parse_hub_config
 from hub_ingest.fleet.auth import write_auth
-from hub_ingest.fleet.provision import provision
 from hub_ingest.fleet.server import SERVER_ENV, render_server_config
-from hub_ingest.local.fleet import free_port
-from tests.support.cluster import Hub, _quiet
+from hub_ingest.local.fleet import admin_connection, free_port
+from tests.support.cluster import Hub, provisioned
 from tests.support.waiting import eventually
 
 REGIONS = ("eu", "us")
@@ -83,18 +79,11 @@ async def start_regions(root: Path) -> dict[str, Hub]:
     hubs: dict[str, Hub] = {}
     try:
         for region, config in configs.items():
-            nc = await nats.connect(
-                list(config.nats.servers),
-                nkeys_seed=str(config.nats.credentials),
-                max_reconnect_attempts=-1,
-                reconnect_time_wait=0.2,
-                error_cb=_quiet,
-            )
-            js = nc.jetstream(domain=config.nats.domain)
+            nc, js = await admin_connection(config)
             hubs[region] = Hub(config, servers[region], nc, js, root / region)
         # The fleet-wide streams are made from the first region: they live there.
         first = hubs[REGIONS[0]]
-        await eventually(lambda: _provisioned(first), timeout=60, what="regions provisioned")
+        await eventually(lambda: provisioned(first), timeout=60, what="regions provisioned")
     except BaseException:
         for hub in hubs.values():
             await hub.close()
@@ -102,10 +91,3 @@ async def start_regions(root: Path) -> dict[str, Hub]:
             server.kill()
         raise
     return hubs
-
-
-async def _provisioned(hub: Hub) -> bool:
-    with contextlib.suppress(Exception):
-        await provision(hub.js, hub.config, [])
-        return True
-    return False
