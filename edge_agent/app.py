@@ -49,6 +49,7 @@ from edge_agent.outbox.store import Outbox
 from edge_agent.protocol.names import EVENTS, command_stream, inbox_prefix
 from edge_agent.status.health import Status, collect_status, heartbeat_payload, with_drain_rates
 from edge_agent.status.metrics import write_textfile
+from edge_agent.update.updater import Updater
 
 log = structlog.get_logger(__name__)
 
@@ -228,6 +229,9 @@ class Agent:
         if self.config.commands.fast_resume:
             resume = self._resume = FastResume(self.config, js, hub_js, self.link, executor)
             self._spawn(tg, self._after_ready(lambda: resume.run(island_was_fresh=self._fresh())))
+        if self.config.update.enabled:
+            updater = Updater(self.config, self._nc, self.link, self.outbox)
+            self._spawn(tg, self._after_ready(updater.run))
         if self.notifier.watchdog_interval is not None:
             self._spawn(tg, self._watchdog(self.notifier.watchdog_interval))
 

@@ -30,8 +30,11 @@ from edge_agent.protocol.cliconfig import config_option
 from edge_agent.protocol.logs import LOG_LEVELS, configure_logging
 from edge_agent.protocol.monitor import Monitor
 from edge_agent.protocol.natsserver import check_version, resolve_nats_server
+from edge_agent.protocol.release import UpdateState
 from edge_agent.status.health import Status, collect_status, render_status, with_drain_rates
 from edge_agent.status.metrics import exposition
+from edge_agent.update.install import install
+from edge_agent.update.updater import update_report
 
 EXIT_OK, EXIT_UNHEALTHY, EXIT_USAGE = 0, 1, 2
 # `agent.restart` ends the daemon with this (EX_TEMPFAIL); systemd's Restart= starts it again.
@@ -104,6 +107,16 @@ def _parser() -> argparse.ArgumentParser:
         which = dead.add_parser(action, help=f"{text}: the rows named, or all")
         which.add_argument("ids", nargs="*", type=int, metavar="ID", help="dead letter ids")
         which.add_argument("--all", action="store_true", help="every dead letter")
+    update = sub.add_parser(
+        "update", help="releases the hub rolls out: install what was staged, or show where it is"
+    ).add_subparsers(dest="action", required=True)
+    update.add_parser(
+        "install",
+        help="install the staged release, switch to it, restart, and go back if unhealthy "
+        "(edge-agent-update.service runs it)",
+    )
+    update_status = update.add_parser("status", help="the last state of each release seen")
+    update_status.add_argument("--json", action="store_true", help="machine-readable output")
     default = Path(os.environ.get("EDGE_AGENT_CONFIG", DEFAULT_CONFIG_PATH))
     config_option(parser, default, "EDGE_AGENT_CONFIG", "agent")
     return parser
@@ -214,6 +227,24 @@ async def _open_link(config: Config, timeout: float) -> int:
     return EXIT_OK
 
 
+def _update(config: Config, args: argparse.Namespace) -> int:
+    if args.action == "install":
+        configure_logging("info", stream=sys.stderr)
+        outcome = install(config)
+        return (
+            EXIT_OK if outcome is None or outcome.state == UpdateState.HEALTHY else EXIT_UNHEALTHY
+        )
+    report = update_report(config)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return EXIT_OK
+    print(f"running {report['running']}; staged: {report['staged'] or 'nothing'}")
+    for version, entry in sorted(report["versions"].items()):
+        reason = f" ({entry['reason']})" if entry.get("reason") else ""
+        print(f"  {version}: {entry['state']} at {entry['at']}{reason}")
+    return EXIT_OK
+
+
 def _with_config_path(config: Config, path: Path) -> Config:
     return replace(config, island=replace(config.island, config_path=path))
 
@@ -229,6 +260,7 @@ def _dispatch(config: Config, args: argparse.Namespace) -> int:
         "publish": lambda: _publish(config, args.subject, args.data),
         "dead-letter": lambda: _dead_letter(config, args),
         "check-config": lambda: _check_config(config, args.config),
+        "update": lambda: _update(config, args),
     }
     return handlers[args.command]()
 

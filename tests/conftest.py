@@ -13,6 +13,7 @@ from hub_ingest.ingest.job import spark_session
 from tests.support.certs import Authority
 from tests.support.cluster import Hub, start_hub
 from tests.support.hubcluster import ClusterHub, start_cluster_hub
+from tests.support.releases import NEXT_VERSION, build_wheelhouse, release_wheel
 
 
 @pytest.fixture
@@ -56,6 +57,14 @@ async def cluster_hub(tmp_path: Path) -> AsyncIterator[ClusterHub]:
         yield hub
     finally:
         await hub.close()
+
+
+@pytest.fixture(scope="session")
+def wheelhouse(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """This tree as release VERSION and NEXT_VERSION, with every dependency wheel."""
+    house = build_wheelhouse(tmp_path_factory.mktemp("wheelhouse"))
+    release_wheel(house, NEXT_VERSION, tmp_path_factory.mktemp("next-release"))
+    return house
 
 
 @pytest.fixture(scope="session")

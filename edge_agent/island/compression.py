@@ -22,8 +22,8 @@ from pathlib import Path
 import structlog
 
 from edge_agent.core.config import Config
-from edge_agent.island.link import read_json, write_json
 from edge_agent.protocol.errors import MonitorUnavailable
+from edge_agent.protocol.files import read_json, write_json
 from edge_agent.protocol.monitor import Monitor
 from edge_agent.protocol.tomlconf import BY_RTT
 from edge_agent.protocol.units import utc_now_iso
@@ -83,7 +83,7 @@ class LinkCompression:
         if mode == current:
             return
         record = {"mode": mode, "rtt_ms": round(rtt * 1000, 3), "chosen_at": utc_now_iso()}
-        write_json(choice_path(self._config), record)
+        write_json(choice_path(self._config), record, durable=False)
         log.info("link_compression_chosen", was=current, **record)
         if self._reload is not None:
             await self._reload()

@@ -5,16 +5,14 @@ last clock sync with the hub, kept in small JSON files under the state directory
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 import structlog
 
 from edge_agent.core.config import Config
 from edge_agent.protocol.errors import MonitorUnavailable
+from edge_agent.protocol.files import write_json
 from edge_agent.protocol.monitor import Monitor
 from edge_agent.protocol.units import utc_now_iso
 
@@ -38,22 +36,9 @@ def clock_path(config: Config) -> Path:
 
 
 def write_clock(config: Config, offset_s: float | None) -> None:
-    write_json(clock_path(config), {"offset_s": offset_s, "synced_at": utc_now_iso()})
-
-
-def write_json(path: Path, data: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data), encoding="utf-8")
-    tmp.replace(path)
-
-
-def read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
+    write_json(
+        clock_path(config), {"offset_s": offset_s, "synced_at": utc_now_iso()}, durable=False
+    )
 
 
 class LinkTracker:
@@ -75,7 +60,7 @@ class LinkTracker:
             up = False
         if up != self.state.up or self.state.since is None:
             self.state = LinkState(up, utc_now_iso())
-            write_json(self._path, asdict(self.state))
+            write_json(self._path, asdict(self.state), durable=False)
             log.info("link_restored" if up else "link_lost", since=self.state.since)
         (self.is_up if up else self.is_down).set()
         (self.is_down if up else self.is_up).clear()

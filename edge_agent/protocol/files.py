@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 
 def write_durably(path: Path, text: str, *, mode: int = 0o644) -> Path:
@@ -33,3 +36,24 @@ def fsync(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_json(path: Path, data: Mapping[str, Any], *, durable: bool = True) -> None:
+    """`data` as the JSON file `path`, replaced whole; `durable` as `write_durably`, else
+    only atomically (for state a power cut may take back, written by several processes)."""
+    if durable:
+        write_durably(path, json.dumps(data, sort_keys=True))
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data), encoding="utf-8")
+    tmp.replace(path)
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    """The JSON object in `path`; None when it is missing, unreadable or not an object."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None

@@ -20,11 +20,12 @@ from edge_agent.commands.ledger import CommandStats
 from edge_agent.commands.ledger import read_stats as read_command_stats
 from edge_agent.core.config import Config
 from edge_agent.core.statedb import open_readonly
-from edge_agent.island.link import LinkState, clock_path, link_path, read_json
+from edge_agent.island.link import LinkState, clock_path, link_path
 from edge_agent.island.server import quarantine_dir, quarantined
 from edge_agent.outbox.store import OutboxStats
 from edge_agent.outbox.store import read_stats as read_outbox_stats
 from edge_agent.protocol.errors import MonitorUnavailable
+from edge_agent.protocol.files import read_json
 from edge_agent.protocol.monitor import Monitor
 from edge_agent.protocol.names import COMMAND_MIRROR, EVENTS, INCARNATION, TELEMETRY, hub_consumer
 from edge_agent.protocol.units import parse_time, utc_now_iso

@@ -22,12 +22,13 @@ from hub_ingest.cli import devices as devices_cli
 from hub_ingest.cli import ingest as ingest_cli
 from hub_ingest.cli import provision as provision_cli
 from hub_ingest.cli import report as report_cli
+from hub_ingest.cli import rollout as rollout_cli
 from hub_ingest.core.config import DEFAULT_CONFIG_PATH, load_hub_config
 from hub_ingest.core.errors import ConfigError, HubIngestError, HubUnreachableError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
 DAEMONS = ("run", "watch")
-COMMAND_MODULES = (provision_cli, devices_cli, report_cli, ingest_cli, commands_cli)
+COMMAND_MODULES = (provision_cli, devices_cli, report_cli, ingest_cli, commands_cli, rollout_cli)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -10,7 +10,8 @@
     ├── LocalFleetError      a process of the local (demo) fleet did not start
     ├── IngestError          the Spark ingest stopped without archiving what it was asked to
     │   └── DataLossError    retention removed messages before the archive had them
-    └── ArchiveError         the archive table cannot be read or changed as asked
+    ├── ArchiveError         the archive table cannot be read or changed as asked
+    └── RolloutError         a release or a rollout cannot be published, started or changed
 
 `retriable` says whether the same call may succeed later without anyone changing anything.
 """
@@ -79,3 +80,7 @@ class DataLossError(IngestError):
 
 class ArchiveError(HubIngestError):
     """The archive table is missing, moved, or refused a change (compaction, relocation)."""
+
+
+class RolloutError(HubIngestError):
+    """A release cannot be published, or a rollout started or changed as asked (says why)."""

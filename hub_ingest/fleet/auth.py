@@ -6,6 +6,8 @@ connection is held to subjects that carry its own id (docs/security.md has the t
 
 - it may create consumers on, and direct-get from, ``CMD_<id>`` only: not ``COMMANDS``, not
   another device's ``CMD_*``, not ``FLEET_*``;
+- it may direct-get its own desired release, the signed release records and the release
+  bundles (signed, and the same for every device), nothing else of the rollout;
 - it may publish nothing under ``cmd.>`` (nor any plain subject), only deliveries of the
   hub's mirrors of its own streams (``hubin.<id>.>``) and replies to requests it was sent;
 - it receives only requests for its own JetStream domain, deliveries of its own mirror
@@ -40,6 +42,7 @@ from edge_agent.protocol.names import (
     to_device_prefix,
     to_hub_prefix,
 )
+from edge_agent.protocol.release import RELEASES_BUCKET, ROLLOUT_BUCKET, desired_key
 from hub_ingest.core.config import HubConfig, ServerConfig
 from hub_ingest.core.errors import HubIngestError, HubUnreachableError
 from hub_ingest.fleet.registry import Device, Registry
@@ -75,6 +78,10 @@ def ensure_operator_key(config: HubConfig) -> str:
 def device_permissions(device: Device, hub_domain: str) -> dict[str, Any]:
     api = js_api(hub_domain)
     commands = command_stream(device.device_id)
+    rollout = f"KV_{ROLLOUT_BUCKET}"
+    desired = f"$KV.{ROLLOUT_BUCKET}.{desired_key(device.device_id)}"
+    records = f"$KV.{ROLLOUT_BUCKET}.release.>"
+    releases = f"OBJ_{RELEASES_BUCKET}"
     return {
         "publish": {
             "allow": [
@@ -85,6 +92,10 @@ def device_permissions(device: Device, hub_domain: str) -> dict[str, Any]:
                 f"{api}.DIRECT.GET.{commands}",
                 f"{api}.DIRECT.GET.{commands}.>",
                 f"{api}.STREAM.INFO.{commands}",
+                # Its own desired release, the signed release records, the bundles' chunks.
+                f"{api}.DIRECT.GET.{rollout}.{desired}",
+                f"{api}.DIRECT.GET.{rollout}.{records}",
+                f"{api}.DIRECT.GET.{releases}",
                 f"{to_hub_prefix(device.device_id)}.>",
                 f"{hub_reply_prefix(device.device_id)}.>",
                 # Flow control of mirrors and replies to mirror set-up carry no data.

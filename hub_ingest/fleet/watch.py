@@ -11,7 +11,8 @@ and the new one collects the new incarnation from sequence 1.
 ``STREAM.INFO`` through ``$JS.<device-domain>.API``) and, for one the registry does not have
 yet, records it, with its *command fence*, and provisions its mirror and sources. `watch`
 (``hub-ingest watch``, a hub service) calls `observe` for every device whose leaf link came
-up, as seen on ``/leafz``, and for every linked device now and then.
+up, as seen on ``/leafz``, and for every linked device now and then. It also advances a
+running rollout (`hub_ingest.fleet.rollout`).
 
 The command fence is the last ``CMD_<id>`` sequence when the hub first saw a device's second or
 later incarnation (0 for its first): a re-imaged agent answers the commands up to it
@@ -41,6 +42,7 @@ from edge_agent.protocol.names import (
 )
 from edge_agent.protocol.units import utc_now_iso
 from hub_ingest.core.config import HubConfig
+from hub_ingest.fleet import rollout
 from hub_ingest.fleet.provision import mirror_targets, provision
 from hub_ingest.fleet.refill import Refiller
 from hub_ingest.fleet.registry import Device, Incarnation, Registry
@@ -49,6 +51,7 @@ from hub_ingest.fleet.requests import ask_json
 log = structlog.get_logger(__name__)
 
 ASK_TIMEOUT = 2.0  # one STREAM.INFO over the leaf link
+ROLLOUT_S = 1.0  # how often a running rollout looks at its devices' reports
 RECHECK_S = 30.0  # a linked device is asked again this often, in case a reconnect was missed
 
 
@@ -193,10 +196,14 @@ async def watch(
     async def heal_gaps() -> None:
         await (await ready()).refill()
 
+    async def advance_rollout() -> None:
+        await rollout.advance(js, config)
+
     log.info("incarnation_watch_started")
     async with asyncio.TaskGroup() as tasks:
         tasks.create_task(_repeat("incarnation_watch", observe_links, interval, stop))
         tasks.create_task(_repeat("gap_watch", heal_gaps, interval, stop))
+        tasks.create_task(_repeat("rollout_watch", advance_rollout, ROLLOUT_S, stop))
 
 
 async def _repeat(
