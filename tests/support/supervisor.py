@@ -1,0 +1,132 @@
+"""A device laid out as the Ansible role lays it out (``<root>/opt/edge-agent/releases/<v>`` and
+``current``), its agent kept running the way systemd's ``Restart=always`` would, from whatever
+release ``current`` names when it (re)starts."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from edge_agent.protocol.files import read_json
+from edge_agent.update.paths import running_file
+from tests.support.cluster import NATS_SERVER, Hub, free_port
+
+RESTART_PAUSE_S = 0.5
+
+
+@dataclass
+class InstalledDevice:
+    device_id: str
+    root: Path
+    config_path: Path
+    proxy_port: int
+    restarts: int = 0
+    _task: asyncio.Task[None] | None = None
+    _proc: asyncio.subprocess.Process | None = None
+    _stopping: bool = False
+    log: Path = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.log = self.root / "agent.log"
+
+    @property
+    def prefix(self) -> Path:
+        return self.root / "opt/edge-agent"
+
+    @property
+    def running(self) -> str | None:
+        """The version of the agent that last said it was ready."""
+        return (read_json(running_file(self.root / "var/lib/edge-agent")) or {}).get("version")
+
+    @property
+    def current(self) -> str:
+        return os.readlink(self.prefix / "current").rpartition("/")[2]
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._supervise())
+
+    async def _supervise(self) -> None:
+        while not self._stopping:
+            agent = self.prefix / "current/bin/edge-agent"
+            with self.log.open("ab") as out:
+                self._proc = await asyncio.create_subprocess_exec(
+                    str(agent),
+                    "-c",
+                    str(self.config_path),
+                    "run",
+                    stdout=out,
+                    stderr=out,
+                    start_new_session=True,
+                )
+            await self._proc.wait()
+            self.restarts += 1
+            await asyncio.sleep(RESTART_PAUSE_S)
+
+    async def status(self) -> dict[str, Any] | None:
+        """``edge-agent status --json --require-link`` of the current release, if healthy."""
+        proc = await asyncio.create_subprocess_exec(
+            str(self.prefix / "current/bin/edge-agent"),
+            "-c",
+            str(self.config_path),
+            "status",
+            "--json",
+            "--require-link",
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.DEVNULL,
+        )
+        out, _ = await proc.communicate()
+        return json.loads(out) if proc.returncode == 0 else None
+
+    async def close(self) -> None:
+        self._stopping = True
+        if self._proc is not None and self._proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._proc.pid, signal.SIGKILL)
+        if self._task is not None:
+            await asyncio.wait_for(self._task, 30)
+        # An installer the agent started runs in its own session: stop it too.
+        os.system(f"pkill -KILL -f '{self.config_path} update install'")
+
+
+def write_config(device: InstalledDevice, hub: Hub, operator_key: str, **update: str) -> None:
+    """The device's agent.toml: a child island, the link through its proxy, pulled updates
+    installed by an installer the agent starts itself, restarts by signalling the agent."""
+    state = device.root / "var/lib/edge-agent"
+    restart = ["pkill", "-TERM", "-f", f"{device.config_path} run$"]
+    settings = {
+        "operator_key": operator_key,
+        "check_interval": "1s",
+        "max_rate": "0",
+        "prefix": str(device.prefix),
+        "python": os.path.realpath(os.sys._base_executable),  # type: ignore[attr-defined]
+        "health_deadline": "60s",
+        "installer": "spawn",
+        **update,
+    }
+    lines = [f"{k} = {json.dumps(v)}" for k, v in settings.items()]
+    lines.append(f"restart = {json.dumps(restart)}")
+    device.config_path.parent.mkdir(parents=True, exist_ok=True)
+    device.config_path.write_text(
+        f"""device_id = {json.dumps(device.device_id)}
+[agent]
+state_dir = {json.dumps(str(state))}
+heartbeat_interval = "2s"
+[island]
+max_file_store = "256MiB"
+client_listen = "127.0.0.1:{free_port()}"
+monitor_listen = "127.0.0.1:{free_port()}"
+supervise = "child"
+nats_server = {json.dumps(NATS_SERVER)}
+[hub]
+urls = {json.dumps(hub.leaf_urls(device.proxy_port))}
+credentials = {json.dumps(str(hub.seed_file(device.device_id)))}
+[update]
+{chr(10).join(lines)}
+"""
+    )

@@ -1,0 +1,160 @@
+"""Pulled updates installed for real: each device laid out as the Ansible role lays it out, its
+agent kept running from ``current`` as systemd would, the installer the agent starts making
+the new release's venv from the bundle's wheels, switching, restarting and gating on health.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from edge_agent.protocol.release import UpdateState, write_bundle
+from edge_agent.update.install import COMPLETE, make_release
+from hub_ingest.fleet import rollout
+from hub_ingest.fleet.releases import new_release_key, publish
+from hub_ingest.local.link import LinkProxy
+from tests.support.cluster import Hub
+from tests.support.releases import NEXT_VERSION, VERSION, release_dir, release_wheel
+from tests.support.supervisor import InstalledDevice, write_config
+from tests.support.waiting import eventually
+
+BAD_VERSION = "9999.1.0"  # its agent exits at once: it can never pass the health gate
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+@pytest.fixture(scope="module")
+def base_release(wheelhouse: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """VERSION installed once, by the installer's own code; each device links to it."""
+    work = tmp_path_factory.mktemp("base")
+    bundle = work / "bundle.tar"
+    with bundle.open("wb") as out:
+        write_bundle(out, VERSION, sorted(release_dir(wheelhouse, VERSION, work / "w").glob("*")))
+    python = os.path.realpath(sys._base_executable)  # type: ignore[attr-defined]
+    return make_release(work / "prefix", python, bundle, VERSION)
+
+
+@pytest.fixture(scope="module")
+def bad_wheelhouse(wheelhouse: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    def broken(tree: Path) -> None:
+        cli = tree / "edge_agent" / "cli.py"
+        text = cli.read_text()
+        assert "    agent = Agent(config)\n" in text
+        cli.write_text(
+            text.replace(
+                "    agent = Agent(config)\n", '    raise SystemExit("broken on purpose")\n'
+            )
+        )
+
+    release_wheel(wheelhouse, BAD_VERSION, tmp_path_factory.mktemp("bad"), broken)
+    return wheelhouse
+
+
+@contextlib.asynccontextmanager
+async def _devices(
+    hub: Hub, base: Path, root: Path, ids: list[str], operator_key: str, **update: str
+) -> AsyncIterator[dict[str, tuple[InstalledDevice, LinkProxy]]]:
+    devices: dict[str, tuple[InstalledDevice, LinkProxy]] = {}
+    try:
+        for device_id in ids:
+            await hub.register(device_id)
+            proxy = await LinkProxy(hub.leaf_port).start()
+            device = InstalledDevice(
+                device_id, root / f"{device_id}-root", root / device_id / "agent.toml", proxy.port
+            )
+            releases = device.prefix / "releases"
+            releases.mkdir(parents=True)
+            (releases / VERSION).symlink_to(base)
+            (device.prefix / "current").symlink_to(f"releases/{VERSION}")
+            write_config(device, hub, operator_key, **update)
+            device.start()
+            devices[device_id] = (device, proxy)
+        for device, _ in devices.values():
+            await eventually(device.status, timeout=90, what=f"{device.device_id} healthy")
+        yield devices
+    finally:
+        for device, proxy in devices.values():
+            await device.close()
+            await proxy.close()
+
+
+async def _report(hub: Hub, device_id: str) -> rollout.DeviceReport:
+    _, reports = await rollout.status(hub.js, hub.config)
+    return next(r for r in reports if r.device_id == device_id)
+
+
+async def _rollout_in(hub: Hub, state: rollout.RolloutState) -> rollout.Rollout | None:
+    plan, _ = await rollout.status(hub.js, hub.config)
+    return plan if plan.state == state else None
+
+
+async def test_a_rollout_reaches_a_device_that_was_offline_when_it_started(
+    hub: Hub, wheelhouse: Path, base_release: Path, tmp_path: Path
+) -> None:
+    """Canary first, then the rest; the device whose link is cut waits as pending and takes
+    the release once its link returns; every device ends on it, healthy."""
+    key = tmp_path / "release.nk"
+    operator = new_release_key(key)
+    await publish(
+        hub.js, hub.config, release_dir(wheelhouse, NEXT_VERSION, tmp_path / "w"), NEXT_VERSION, key
+    )
+    async with _devices(hub, base_release, tmp_path, ["a", "b", "c"], operator) as devices:
+        devices["c"][1].cut()
+        await rollout.start(
+            hub.js, hub.config, NEXT_VERSION, canary=1, shares=[1.0], max_failures=0
+        )
+        plan, _ = await rollout.status(hub.js, hub.config)
+        assert plan.batches == [["a"], ["b", "c"]]
+
+        async def healthy(device_id: str) -> bool:
+            return (await _report(hub, device_id)).state == UpdateState.HEALTHY
+
+        await eventually(lambda: healthy("a"), timeout=240, what="canary a healthy")
+        assert devices["a"][0].current == NEXT_VERSION
+        await eventually(lambda: healthy("b"), timeout=240, what="b healthy")
+        c = await _report(hub, "c")
+        assert c.state == rollout.PENDING and c.last_seen, c
+        assert devices["c"][0].current == VERSION
+        assert (await _rollout_in(hub, rollout.RolloutState.RUNNING)) is not None
+
+        devices["c"][1].restore()
+        await eventually(
+            lambda: healthy("c"), timeout=240, what="c healthy after its link returned"
+        )
+        await eventually(
+            lambda: _rollout_in(hub, rollout.RolloutState.DONE), timeout=30, what="rollout done"
+        )
+        for device, _ in devices.values():
+            assert device.current == NEXT_VERSION and device.running == NEXT_VERSION
+            assert device.restarts >= 1
+            status = await device.status()
+            assert status is not None and status["healthy"]
+
+
+async def test_a_canary_that_fails_its_health_gate_is_rolled_back_and_the_rollout_stops(
+    hub: Hub, bad_wheelhouse: Path, base_release: Path, tmp_path: Path
+) -> None:
+    key = tmp_path / "release.nk"
+    operator = new_release_key(key)
+    source = release_dir(bad_wheelhouse, BAD_VERSION, tmp_path / "w")
+    await publish(hub.js, hub.config, source, BAD_VERSION, key)
+    ids = ["a", "b"]
+    async with _devices(
+        hub, base_release, tmp_path, ids, operator, health_deadline="15s"
+    ) as devices:
+        await rollout.start(hub.js, hub.config, BAD_VERSION, canary=1, shares=[1.0], max_failures=0)
+        plan = await eventually(
+            lambda: _rollout_in(hub, rollout.RolloutState.STOPPED), timeout=240, what="stopped"
+        )
+        assert "a rolled_back: not healthy within 15s" in plan.reason, plan.reason
+        a, b = devices["a"][0], devices["b"][0]
+        assert a.current == VERSION
+        assert (a.prefix / "releases" / BAD_VERSION / COMPLETE).exists()  # kept, not current
+        await eventually(a.status, timeout=90, what="a healthy again on the old release")
+        assert a.running == VERSION
+        assert (await _report(hub, "b")).state == rollout.WAITING
+        assert b.current == VERSION and not (b.prefix / "releases" / BAD_VERSION).exists()
