@@ -23,11 +23,13 @@ from typing import Any
 
 import pytest
 
+from hub_ingest.fleet import rollout
+from hub_ingest.fleet.releases import new_release_key
 from hub_ingest.local.fleet import write_hub_toml
 from tests.support.ansible import ANSIBLE, BIN, playbook, recap
 from tests.support.certs import Authority
 from tests.support.cluster import Hub, free_port
-from tests.support.releases import NEXT_VERSION, VERSION
+from tests.support.releases import NEXT_VERSION, VERSION, release_dir
 from tests.support.scratch_root import scratch_root
 from tests.support.waiting import eventually
 
@@ -308,3 +310,49 @@ async def test_rollout_rolls_back_a_failing_host_and_stops(
     for name in ("dev3", "dev4"):
         assert _current(roots[name]) == f"releases/{VERSION}"
         assert not (roots[name] / f"opt/edge-agent/releases/{NEXT_VERSION}").exists()
+
+
+async def test_rollout_in_pull_mode_publishes_and_starts_a_rollout_without_touching_devices(
+    hub: Hub, wheelhouse: Path, tmp_path: Path
+) -> None:
+    """rollout.yml -e rollout_mode=pull: the hub host publishes the signed release and starts
+    the rollout; the devices, here unreachable, are not contacted; the key does not stay."""
+    for name in ("dev1", "dev2"):
+        await hub.register(name)
+    key = tmp_path / "release.nk"
+    new_release_key(key)
+    # As an operator would give them: -e (the play's own vars outrank the inventory's).
+    extra = {
+        "rollout_mode": "pull",
+        "edge_agent_version": NEXT_VERSION,
+        "edge_agent_wheelhouse": str(release_dir(wheelhouse, NEXT_VERSION, tmp_path / "w")),
+        "rollout_release_key": str(key),
+        "rollout_hub_ingest": str(BIN / "hub-ingest"),
+        "rollout_hub_config": str(write_hub_toml(hub.config, tmp_path / "hub.toml")),
+        "rollout_staging": str(tmp_path / "staging"),
+    }
+    (tmp_path / "extra.json").write_text(json.dumps(extra))
+    shared = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}
+    unreachable = {"ansible_host": "192.0.2.1", "ansible_connection": "ssh"}
+    doc = {
+        "all": {
+            "vars": shared,
+            "children": {
+                "hub": {"hosts": {"hub-1": {}}},
+                "edge": {"hosts": {"dev1": unreachable, "dev2": unreachable}},
+            },
+        }
+    }
+    inventory = tmp_path / "inventory.yml"
+    inventory.write_text(json.dumps(doc))
+    run = await asyncio.to_thread(
+        playbook, "rollout.yml", inventory, "-e", f"@{tmp_path / 'extra.json'}"
+    )
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr
+    counts = recap(run.stdout)
+    assert set(counts) == {"hub-1"}, counts
+    assert f"rollout of {NEXT_VERSION} started: batches of 1, 1 devices" in run.stdout
+    plan, reports = await rollout.status(hub.js, hub.config)
+    assert plan.version == NEXT_VERSION and plan.state == rollout.RolloutState.RUNNING
+    assert [r.state for r in reports] == [rollout.PENDING, rollout.WAITING]
+    assert not (tmp_path / "staging").exists()

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from edge_agent.core.config import parse_config
+from edge_agent.update.updater import update_paths
 from hub_ingest.fleet.server import SERVER_ENV
 from tests.support.scratch_root import REPO, UNITS, VERIFY_UNIT, scratch_root, stub_executables
 
@@ -129,3 +131,17 @@ def test_hub_watch_runs_beside_its_node() -> None:
     assert values["ExecStart"].endswith("hub-ingest watch $HUB_NODE_ARGS")
     assert values["EnvironmentFile"] == "-/etc/hub-ingest/node.env"
     assert "hub-nats.service" in values["After"].split()
+
+
+def test_the_installer_starts_when_the_agent_stages_a_release() -> None:
+    """The path unit watches the file the agent's default config stages releases in, and
+    starts the installer as root (the agent cannot write /opt/edge-agent)."""
+    config = parse_config(
+        {"device_id": "d", "island": {"max_file_store": "1GiB"}, "hub": {"urls": ["nats://h"]}}
+    )
+    path = dict(_settings("edge-agent-update.path"))
+    assert path["PathExists"] == str(update_paths(config).staged)
+    assert path["Unit"] == "edge-agent-update.service"
+    service = dict(_settings("edge-agent-update.service"))
+    assert service["Type"] == "oneshot" and "User" not in service
+    assert service["ExecStart"] == f"{config.update.prefix}/current/bin/edge-agent update install"

@@ -18,6 +18,8 @@ VERIFY_UNIT = REPO / "systemd/verify-unit"
 UNITS = (
     "edge-nats.service",
     "edge-agent.service",
+    "edge-agent-update.service",
+    "edge-agent-update.path",
     "hub-nats.service",
     "hub-ingest.service",
     "hub-ingest.timer",
