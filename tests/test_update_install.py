@@ -7,18 +7,21 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
 from edge_agent.protocol.release import UpdateState, write_bundle
-from edge_agent.update.install import COMPLETE, make_release
+from edge_agent.update.install import COMPLETE, make_release, switch_current
 from hub_ingest.fleet import rollout
 from hub_ingest.fleet.releases import new_release_key, publish
 from hub_ingest.local.link import LinkProxy
 from tests.support.cluster import Hub
+from tests.support.powerswitch import PowerCut
 from tests.support.releases import NEXT_VERSION, VERSION, release_dir, release_wheel
 from tests.support.supervisor import InstalledDevice, write_config
 from tests.support.waiting import eventually
@@ -158,3 +161,66 @@ async def test_a_canary_that_fails_its_health_gate_is_rolled_back_and_the_rollou
         assert a.running == VERSION
         assert (await _report(hub, "b")).state == rollout.WAITING
         assert b.current == VERSION and not (b.prefix / "releases" / BAD_VERSION).exists()
+
+
+def _imports(release: Path) -> str:
+    """The version `release`'s own Python imports, with the agent's dependencies: a release
+    that starts."""
+    code = "import edge_agent, nats, nkeys, structlog; print(edge_agent.__version__)"
+    done = subprocess.run(
+        [str(release / "bin/python"), "-I", "-c", code], capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.strip()
+
+
+def test_a_power_cut_during_an_install_leaves_a_release_that_starts(
+    wheelhouse: Path, base_release: Path, tmp_path: Path
+) -> None:
+    """Cut while pip fills the new release: current still names the old one, which starts,
+    and the next install makes the half-made release whole. Cut right after the switch: the
+    new release is whole on disk, every file of it synced before its marker."""
+    bundle = tmp_path / "next.tar"
+    with bundle.open("wb") as out:
+        wheels = release_dir(wheelhouse, NEXT_VERSION, tmp_path / "w").glob("*")
+        write_bundle(out, NEXT_VERSION, sorted(wheels))
+    python = os.path.realpath(sys._base_executable)  # type: ignore[attr-defined]
+    disk = PowerCut(tmp_path / "backing", tmp_path / "mnt").start()
+    try:
+        prefix = disk.mount / "opt/edge-agent"
+        (prefix / "releases").mkdir(parents=True)
+        (prefix / "releases" / VERSION).symlink_to(base_release)
+        (prefix / "current").symlink_to(f"releases/{VERSION}")
+        target = prefix / "releases" / NEXT_VERSION
+        code = (
+            "import sys; from pathlib import Path; from edge_agent.update.install import "
+            "make_release; make_release(Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3]), "
+            "sys.argv[4])"
+        )
+        installer = subprocess.Popen(
+            [sys.executable, "-c", code, str(prefix), python, str(bundle), NEXT_VERSION]
+        )
+        try:
+            deadline = time.monotonic() + 300
+            # Until pip is writing the agent's own package into the new venv.
+            while not list(target.glob("lib/python*/site-packages/edge_agent/*.py")):
+                assert installer.poll() is None, "the install ended before the cut"
+                assert time.monotonic() < deadline, "pip never wrote the agent's package"
+                time.sleep(0.05)  # polling the install's progress, not waiting for a result
+            # pip, writing under the mount, dies with the power; so does the installer.
+            assert disk.cut().killed
+        finally:
+            installer.kill()
+            installer.wait()
+        assert os.readlink(prefix / "current") == f"releases/{VERSION}"
+        assert _imports(prefix / "current") == VERSION
+        assert not (target / COMPLETE).exists()
+
+        make_release(prefix, python, bundle, NEXT_VERSION)
+        switch_current(prefix, NEXT_VERSION)
+        cut = disk.cut()
+        assert cut.dropped_bytes == 0, "something of the release was left unsynced"
+        assert os.readlink(prefix / "current") == f"releases/{NEXT_VERSION}"
+        assert _imports(prefix / "current") == NEXT_VERSION
+    finally:
+        disk.stop()

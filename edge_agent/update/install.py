@@ -92,7 +92,7 @@ def _install_staged(config: Config, paths: UpdatePaths, staged: dict[str, Any]) 
         return Outcome(version, UpdateState.REFUSED, str(exc), previous)
     except InstallFailed as exc:
         return Outcome(version, UpdateState.FAILED, str(exc), previous)
-    _switch(prefix, version)
+    switch_current(prefix, version)
     _restart(config)
     problems = _health_gate(config, version)
     if not problems:
@@ -102,7 +102,7 @@ def _install_staged(config: Config, paths: UpdatePaths, staged: dict[str, Any]) 
     reason = f"not healthy within {config.update.health_deadline:g}s: {problems}"
     if not previous or previous == version:
         return Outcome(version, UpdateState.FAILED, reason + " (no release to go back to)")
-    _switch(prefix, previous)
+    switch_current(prefix, previous)
     _restart(config)
     return Outcome(version, UpdateState.ROLLED_BACK, reason, previous)
 
@@ -138,9 +138,20 @@ def make_release(prefix: Path, python: str, bundle: Path, version: str) -> Path:
         _run([python, "-m", "venv", str(target)], "make the release's venv")
         pip = [str(target / "bin/python"), "-m", "pip", "install", "--quiet", "--no-index"]
         _run([*pip, "--find-links", str(wheels), *wanted], "install the release's wheels")
-    os.sync()  # every file of the venv, before the marker says it is whole
+    _fsync_tree(target)  # every file of the venv, before the marker says it is whole
     write_json(target / COMPLETE, {"version": version})
     return target
+
+
+def _fsync_tree(root: Path) -> None:
+    """fsync every file and directory under `root` (pip syncs nothing; ``sync(2)`` would do
+    on ext4, but a filesystem need not flush on it, and a torn venv does not start)."""
+    for folder, _, files in os.walk(root):
+        for name in files:
+            path = Path(folder, name)
+            if not path.is_symlink():
+                fsync(path)
+        fsync(Path(folder))
 
 
 def _run(argv: list[str], what: str) -> None:
@@ -153,7 +164,7 @@ def _run(argv: list[str], what: str) -> None:
         raise InstallFailed(f"cannot {what}: exit {done.returncode}: {' / '.join(tail)}")
 
 
-def _switch(prefix: Path, version: str) -> None:
+def switch_current(prefix: Path, version: str) -> None:
     """Point ``current`` at `version` in one rename, durably."""
     new = prefix / ".current.new"
     new.unlink(missing_ok=True)

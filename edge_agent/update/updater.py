@@ -192,7 +192,8 @@ class Updater:
         if self._config.update.installer != "spawn":
             return
         config = self._config.source
-        argv = [sys.executable, "-m", "edge_agent", "-c", str(config), "update", "install"]
+        # -I: this release's own code, never a checkout in the working directory.
+        argv = [sys.executable, "-I", "-m", "edge_agent", "-c", str(config), "update", "install"]
         log_path = self._paths.root / "install.log"
         with log_path.open("ab") as out:
             subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
