@@ -23,7 +23,7 @@ from hub_ingest.local.link import LinkProxy
 from tests.support.cluster import Hub
 from tests.support.powerswitch import PowerCut
 from tests.support.releases import NEXT_VERSION, VERSION, release_dir, release_wheel
-from tests.support.supervisor import InstalledDevice, write_config
+from tests.support.supervisor import InstalledDevice, installed_device
 from tests.support.waiting import eventually
 
 BAD_VERSION = "9999.1.0"  # its agent exits at once: it can never pass the health gate
@@ -64,18 +64,9 @@ async def _devices(
     devices: dict[str, tuple[InstalledDevice, LinkProxy]] = {}
     try:
         for device_id in ids:
-            await hub.register(device_id)
-            proxy = await LinkProxy(hub.leaf_port).start()
-            device = InstalledDevice(
-                device_id, root / f"{device_id}-root", root / device_id / "agent.toml", proxy.port
+            devices[device_id] = await installed_device(
+                hub, base, root, device_id, operator_key, **update
             )
-            releases = device.prefix / "releases"
-            releases.mkdir(parents=True)
-            (releases / VERSION).symlink_to(base)
-            (device.prefix / "current").symlink_to(f"releases/{VERSION}")
-            write_config(device, hub, operator_key, **update)
-            device.start()
-            devices[device_id] = (device, proxy)
         for device, _ in devices.values():
             await eventually(device.status, timeout=90, what=f"{device.device_id} healthy")
         yield devices

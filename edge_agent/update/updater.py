@@ -182,7 +182,9 @@ class Updater:
         }
         # The state first: the hub may hear of the report before this function returns.
         states = read_json(self._paths.state) or {}
-        states[version] = {"state": state.value, "at": body["at"], **extra}
+        # Merged: the figures of earlier steps (bytes fetched) stay beside the last state.
+        kept = {k: v for k, v in states.get(version, {}).items() if k != "reason"}
+        states[version] = {**kept, "state": state.value, "at": body["at"], **extra}
         write_json(self._paths.state, states)
         await self._outbox.append(update_subject(self._config.device_id), json.dumps(body).encode())
         log.info("update_reported", version=version, state=state.value)

@@ -37,6 +37,7 @@ def release_wheel(
     house: Path, version: str, work: Path, patch: Callable[[Path], None] | None = None
 ) -> Path:
     """This tree as release `version` (after `patch` changes the copy at `work`), in `house`."""
+    work.mkdir(parents=True, exist_ok=True)
     for name in ("pyproject.toml", "README.md", "edge_agent", "hub_ingest"):
         copy = shutil.copytree if (REPO / name).is_dir() else shutil.copy
         copy(REPO / name, work / name)

@@ -15,7 +15,9 @@ from typing import Any
 
 from edge_agent.protocol.files import read_json
 from edge_agent.update.paths import running_file
+from hub_ingest.local.link import LinkProxy, Shape
 from tests.support.cluster import NATS_SERVER, Hub, free_port
+from tests.support.releases import VERSION
 
 RESTART_PAUSE_S = 0.5
 
@@ -130,3 +132,29 @@ credentials = {json.dumps(str(hub.seed_file(device.device_id)))}
 {chr(10).join(lines)}
 """
     )
+
+
+async def installed_device(
+    hub: Hub,
+    base: Path,
+    root: Path,
+    device_id: str,
+    operator_key: str,
+    *,
+    shape: Shape | None = None,
+    **update: str,
+) -> tuple[InstalledDevice, LinkProxy]:
+    """Enrol `device_id`, lay it out under ``root/<id>-root`` with release `VERSION` (a link
+    to the venv `base`) current, and start its agent behind a link proxy of `shape`."""
+    await hub.register(device_id)
+    proxy = await LinkProxy(hub.leaf_port, shape=shape).start()
+    device = InstalledDevice(
+        device_id, root / f"{device_id}-root", root / device_id / "agent.toml", proxy.port
+    )
+    releases = device.prefix / "releases"
+    releases.mkdir(parents=True)
+    (releases / VERSION).symlink_to(base)
+    (device.prefix / "current").symlink_to(f"releases/{VERSION}")
+    write_config(device, hub, operator_key, **update)
+    device.start()
+    return device, proxy
