@@ -12,9 +12,18 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
+import nats
+import nats.errors
 import pytest
 
-from edge_agent.protocol.release import UpdateState, release_key, sign_record
+from edge_agent.protocol.names import inbox_prefix
+from edge_agent.protocol.release import (
+    ROLLOUT_BUCKET,
+    UpdateState,
+    desired_key,
+    release_key,
+    sign_record,
+)
 from edge_agent.update.updater import update_paths, update_report
 from hub_ingest.core.errors import RolloutError
 from hub_ingest.fleet import rollout
@@ -88,7 +97,10 @@ async def test_a_device_refuses_releases_that_do_not_verify_and_the_hub_stops_th
         assert not update_paths(device.config).staged.exists()
         with pytest.raises(RolloutError, match="stopped"):
             await rollout.start(hub.js, hub.config, version, canary=1, shares=[1.0], max_failures=0)
-        await rollout.change(hub.js, hub.config, "abort")
+        resumed = await rollout.change(hub.js, hub.config, "resume")  # accepts that failure
+        assert resumed.state == rollout.RolloutState.RUNNING and resumed.max_failures == 1
+        aborted = await rollout.change(hub.js, hub.config, "abort")
+        assert aborted.state == rollout.RolloutState.ABORTED
 
     releases = tmp_path / "releases"
     await publish(hub.js, hub.config, _fake_release(releases, "9.0.1", 1000), "9.0.1", foreign)
@@ -129,6 +141,35 @@ async def test_a_device_refuses_releases_that_do_not_verify_and_the_hub_stops_th
     staged = json.loads(update_paths(device.config).staged.read_text())
     assert staged["version"] == "9.0.5"
     assert update_paths(device.config).bundle("9.0.5").stat().st_size == good.size
+
+
+async def test_a_device_reads_its_own_desired_release_and_no_other(
+    hub: Hub, tmp_path: Path
+) -> None:
+    """Through its leaf link (the hub's permissions for it), not through its agent."""
+    device = await hub.device("a", register_when_ready=True)
+    kv = await rollout_bucket(hub.js, hub.config)
+    for device_id in ("a", "b"):
+        await kv.put(desired_key(device_id), b"9.0.5")
+    desired = f"$JS.hub.API.DIRECT.GET.KV_{ROLLOUT_BUCKET}.$KV.{ROLLOUT_BUCKET}"
+    nc = await nats.connect(device.config.island.client_url, inbox_prefix=inbox_prefix("a"))
+    try:
+        assert (await nc.request(f"{desired}.{desired_key('a')}", b"", timeout=5)).data == b"9.0.5"
+        with pytest.raises(nats.errors.TimeoutError):
+            await nc.request(f"{desired}.{desired_key('b')}", b"", timeout=2)
+    finally:
+        await nc.close()
+
+
+def test_batches_cut_the_fleet_at_each_share_after_the_canary() -> None:
+    ids = [f"d{i:02d}" for i in range(20)]
+    batches = rollout.plan_batches(ids, 1, rollout.parse_shares("10%,50%,100%"))
+    assert [len(b) for b in batches] == [1, 1, 8, 10]
+    assert [d for b in batches for d in b] == ids and batches[0] == ["d00"]
+    assert rollout.plan_batches(["a", "b"], 5, [1.0]) == [["a", "b"]]
+    for bad in ("50%,10%,100%", "10%,50%", "ten%,100%", "0%,100%"):
+        with pytest.raises(RolloutError, match="--batches"):
+            rollout.parse_shares(bad)
 
 
 async def _stopped(hub: Hub) -> rollout.Rollout | None:

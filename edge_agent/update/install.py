@@ -79,7 +79,9 @@ def install(config: Config) -> Outcome | None:
 def _install_staged(config: Config, paths: UpdatePaths, staged: dict[str, Any]) -> Outcome:
     version = str(staged.get("version"))
     prefix = config.update.prefix
-    previous = _current(prefix)
+    # Kept in the staged file before the switch: a rerun after a power cut that came after
+    # it finds `current` already on `version`, and must still know where to go back to.
+    previous = str(staged.get("previous") or _current(prefix))
     try:
         record = ReleaseRecord.from_json(json.dumps(staged.get("record")).encode())
         verify_record(record, config.update.operator_key)
@@ -90,8 +92,9 @@ def _install_staged(config: Config, paths: UpdatePaths, staged: dict[str, Any]) 
             make_release(prefix, config.update.python, bundle, version)
     except ReleaseRejected as exc:
         return Outcome(version, UpdateState.REFUSED, str(exc), previous)
-    except InstallFailed as exc:
+    except (InstallFailed, OSError) as exc:
         return Outcome(version, UpdateState.FAILED, str(exc), previous)
+    write_json(paths.staged, {**staged, "previous": previous})
     switch_current(prefix, version)
     _restart(config)
     problems = _health_gate(config, version)

@@ -84,6 +84,8 @@ class Updater:
                 await self.step()
             except _TRANSIENT as exc:
                 log.info("update_check_failed", error=repr(exc))
+            except (OSError, ValueError) as exc:  # a full disk, a malformed file: never fatal
+                log.warning("update_step_failed", error=repr(exc))
             await asyncio.sleep(self._config.update.check_interval)
 
     async def step(self) -> None:
@@ -91,7 +93,7 @@ class Updater:
         desired = await self._get(desired_key(self._config.device_id))
         if desired is None:
             return
-        version = desired.decode()
+        version = desired.decode(errors="replace")
         if version == __version__:
             await self._report(version, UpdateState.HEALTHY, once=True)
             return
@@ -137,7 +139,11 @@ class Updater:
         return reply.data
 
     async def _record(self, version: str) -> ReleaseRecord:
-        data = await self._get(release_key(version))
+        try:
+            key = release_key(version)
+        except ValueError as exc:
+            raise ReleaseRejected(f"the hub wants release {version!r}: {exc}") from None
+        data = await self._get(key)
         if data is None:
             raise ReleaseRejected(f"release {version} has no record on the hub")
         return ReleaseRecord.from_json(data)
@@ -159,8 +165,12 @@ class Updater:
         outcome = read_json(self._paths.result)
         if outcome is None:
             return
-        state = UpdateState(outcome["state"])
-        await self._report(outcome["version"], state, reason=outcome.get("reason", ""), once=True)
+        try:
+            version, state = str(outcome["version"]), UpdateState(outcome["state"])
+        except (KeyError, ValueError):
+            log.warning("update_outcome_unreadable", outcome=outcome)
+        else:
+            await self._report(version, state, reason=outcome.get("reason", ""), once=True)
         self._paths.result.unlink(missing_ok=True)
 
     def _state(self, version: str) -> str | None:

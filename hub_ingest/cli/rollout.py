@@ -55,7 +55,7 @@ def register(sub: Any) -> None:
     status.set_defaults(handler=lambda config, args: asyncio.run(_status(config, args)))
     for action, text in (
         ("pause", "open no further batch"),
-        ("resume", "go on (also after a stop)"),
+        ("resume", "go on; after a stop, accepting the failures so far"),
         ("abort", "devices not yet healthy on it no longer want it"),
     ):
         change = steps.add_parser(action, help=text)

@@ -48,6 +48,8 @@ ACTIVE = (RolloutState.RUNNING, RolloutState.PAUSED, RolloutState.STOPPED)
 FAILURES = (UpdateState.FAILED, UpdateState.ROLLED_BACK, UpdateState.REFUSED)
 WAITING = "waiting"  # its batch is not open yet
 PENDING = "pending"  # its batch is open; it has not reported (offline?)
+REMOVED = "removed"  # from the registry, since the rollout started
+DONE_WITH = (UpdateState.HEALTHY, REMOVED)  # a batch of these is through
 
 
 @dataclass
@@ -177,13 +179,13 @@ async def advance(js: JetStreamContext, config: HubConfig) -> Rollout | None:
     if loaded is None or loaded[0].state != RolloutState.RUNNING:
         return loaded[0] if loaded else None
     rollout, revision = loaded
-    reports = await read_reports(js, rollout)
+    reports = await read_reports(js, rollout, last_seen=False)
     failed = [r for r in reports if r.state in FAILURES]
     if len(failed) > rollout.max_failures:
         rollout.state = RolloutState.STOPPED
         rollout.reason = "; ".join(f"{r.device_id} {r.state}: {r.reason}" for r in failed)
         log.warning("rollout_stopped", version=rollout.version, failed=len(failed))
-    elif all(r.state == UpdateState.HEALTHY for r in reports if r.batch < rollout.opened):
+    elif all(r.state in DONE_WITH for r in reports if r.batch < rollout.opened):
         if rollout.opened == len(rollout.batches):
             rollout.state = RolloutState.DONE
             log.info("rollout_done", version=rollout.version)
@@ -214,6 +216,9 @@ async def change(js: JetStreamContext, config: HubConfig, action: str) -> Rollou
     elif action == "pause":
         rollout.state, rollout.reason = RolloutState.PAUSED, "paused by an operator"
     else:
+        if rollout.state == RolloutState.STOPPED:  # go on, accepting the failures so far
+            failed = [r for r in await read_reports(js, rollout) if r.state in FAILURES]
+            rollout.max_failures = max(rollout.max_failures, len(failed))
         rollout.state, rollout.reason = RolloutState.RUNNING, ""
     await _save(kv, rollout, revision)
     log.info("rollout_changed", version=rollout.version, state=rollout.state)
@@ -228,20 +233,23 @@ async def status(js: JetStreamContext, config: HubConfig) -> tuple[Rollout, list
     return loaded[0], await read_reports(js, loaded[0])
 
 
-async def read_reports(js: JetStreamContext, rollout: Rollout) -> list[DeviceReport]:
-    """Each device's last report about the rollout's version, from its update events."""
+async def read_reports(
+    js: JetStreamContext, rollout: Rollout, *, last_seen: bool = True
+) -> list[DeviceReport]:
+    """Each device's last report about the rollout's version, from its update events, and
+    with `last_seen` its last heartbeat (for ``status``; `advance` needs only the reports)."""
     registry = await Registry.open(js)
     ids = [device_id for batch in rollout.batches for device_id in batch]
     reports: list[DeviceReport] = []
     for start_at in range(0, len(ids), 32):
         reports += await asyncio.gather(
-            *(_report(js, registry, rollout, d) for d in ids[start_at : start_at + 32])
+            *(_report(js, registry, rollout, d, last_seen) for d in ids[start_at : start_at + 32])
         )
     return reports
 
 
 async def _report(
-    js: JetStreamContext, registry: Registry, rollout: Rollout, device_id: str
+    js: JetStreamContext, registry: Registry, rollout: Rollout, device_id: str, last_seen: bool
 ) -> DeviceReport:
     batch = rollout.batch_of(device_id)
     try:
@@ -249,10 +257,11 @@ async def _report(
     except RegistryError:  # removed since the rollout started
         device = None
     if device is None or batch >= rollout.opened:
-        return DeviceReport(device_id, batch, WAITING if device else "removed")
+        return DeviceReport(device_id, batch, WAITING if device else REMOVED)
     stream = _EVENTS.stream_name(device.shard)
     last = await _last(js, stream, f"fleet.{device_id}.{update_subject(device_id)}")
-    heartbeat = await _last(js, stream, f"fleet.{device_id}.evt.{device_id}.heartbeat")
+    heartbeat_subject = f"fleet.{device_id}.evt.{device_id}.heartbeat"
+    heartbeat = await _last(js, stream, heartbeat_subject) if last_seen else None
     seen = heartbeat.get("at") if heartbeat else None
     if last is None or last.get("version") != rollout.version:
         return DeviceReport(device_id, batch, PENDING, last_seen=seen)

@@ -51,7 +51,8 @@ from hub_ingest.fleet.requests import ask_json
 log = structlog.get_logger(__name__)
 
 ASK_TIMEOUT = 2.0  # one STREAM.INFO over the leaf link
-ROLLOUT_S = 1.0  # how often a running rollout looks at its devices' reports
+# How often a running rollout reads its open batches' reports: one request per device.
+ROLLOUT_S = 2.0
 RECHECK_S = 30.0  # a linked device is asked again this often, in case a reconnect was missed
 
 
