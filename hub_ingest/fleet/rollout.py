@@ -5,8 +5,14 @@ the canary) under ``rollout``, and ``desired.<id>`` = version for each device wh
 open. A device picks its desired version up whenever its link is up, days later if need be,
 and reports each step as an ``evt.<id>.update`` event, which reaches the hub's
 ``FLEET_EVENTS`` like every event. `advance` (run by ``hub-ingest watch``) opens the next
-batch once every device of the open ones is healthy on the release, and stops the rollout as
-soon as more than ``max_failures`` of them failed, refused it or rolled back.
+batch once the open ones are through, and stops the rollout as soon as more than
+``max_failures`` of their devices failed, refused it or rolled back.
+
+A batch is through when each of its devices is healthy on the release, or is offline: not
+heard from (no heartbeat at the hub) since its batch opened. An offline device does not hold
+the fleet up: it takes the release whenever it returns, and the rollout stays running, and
+so not done, until it has (or is aborted). The canary must have a healthy device before
+anything else opens.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import asyncio
 import json
 import math
 from dataclasses import asdict, dataclass, field
+from datetime import datetime
 from enum import StrEnum
 from typing import Any
 
@@ -59,6 +66,7 @@ class Rollout:
     max_failures: int
     state: RolloutState = RolloutState.RUNNING
     opened: int = 0  # batches[:opened] want the version
+    opened_at: list[str] = field(default_factory=list)  # when each of them opened
     started_at: str = field(default_factory=utc_now_iso)
     reason: str = ""  # why it stopped, was aborted or paused
 
@@ -139,6 +147,7 @@ async def _open_batch(kv: KeyValue, rollout: Rollout) -> None:
         await kv.put(desired_key(device_id), rollout.version.encode())
     log.info("rollout_batch_opened", version=rollout.version, batch=rollout.opened)
     rollout.opened += 1
+    rollout.opened_at.append(utc_now_iso())
 
 
 async def start(
@@ -179,25 +188,40 @@ async def advance(js: JetStreamContext, config: HubConfig) -> Rollout | None:
     if loaded is None or loaded[0].state != RolloutState.RUNNING:
         return loaded[0] if loaded else None
     rollout, revision = loaded
-    reports = await read_reports(js, rollout, last_seen=False)
+    reports = await read_reports(js, rollout)
     failed = [r for r in reports if r.state in FAILURES]
+    opened = [r for r in reports if r.batch < rollout.opened]
     if len(failed) > rollout.max_failures:
         rollout.state = RolloutState.STOPPED
         rollout.reason = "; ".join(f"{r.device_id} {r.state}: {r.reason}" for r in failed)
         log.warning("rollout_stopped", version=rollout.version, failed=len(failed))
-    elif all(r.state in DONE_WITH for r in reports if r.batch < rollout.opened):
-        if rollout.opened == len(rollout.batches):
-            rollout.state = RolloutState.DONE
-            log.info("rollout_done", version=rollout.version)
-        else:
-            await _open_batch(kv, rollout)
-    else:
+    elif not all(_through(rollout, r) for r in opened) or not any(
+        r.state == UpdateState.HEALTHY for r in opened if r.batch == 0
+    ):
         return rollout
+    elif rollout.opened < len(rollout.batches):
+        await _open_batch(kv, rollout)
+    elif all(r.state in DONE_WITH for r in reports):
+        rollout.state = RolloutState.DONE
+        log.info("rollout_done", version=rollout.version)
+    else:
+        return rollout  # offline devices still to take it
     try:
         await _save(kv, rollout, revision)
     except RolloutError:  # another watcher (a node of a cluster hub) took this step
         return None
     return rollout
+
+
+def _through(rollout: Rollout, report: DeviceReport) -> bool:
+    """Whether `report`'s device lets its batch through: healthy, gone, or offline since its
+    batch opened."""
+    if report.state in DONE_WITH:
+        return True
+    if report.state != PENDING:
+        return False  # on its way (downloading, staged, installed) or failed
+    opened = datetime.fromisoformat(rollout.opened_at[report.batch])
+    return report.last_seen is None or datetime.fromisoformat(report.last_seen) < opened
 
 
 async def change(js: JetStreamContext, config: HubConfig, action: str) -> Rollout:
@@ -233,23 +257,21 @@ async def status(js: JetStreamContext, config: HubConfig) -> tuple[Rollout, list
     return loaded[0], await read_reports(js, loaded[0])
 
 
-async def read_reports(
-    js: JetStreamContext, rollout: Rollout, *, last_seen: bool = True
-) -> list[DeviceReport]:
+async def read_reports(js: JetStreamContext, rollout: Rollout) -> list[DeviceReport]:
     """Each device's last report about the rollout's version, from its update events, and
-    with `last_seen` its last heartbeat (for ``status``; `advance` needs only the reports)."""
+    for a device that has not reported, when its last heartbeat reached the hub."""
     registry = await Registry.open(js)
     ids = [device_id for batch in rollout.batches for device_id in batch]
     reports: list[DeviceReport] = []
     for start_at in range(0, len(ids), 32):
         reports += await asyncio.gather(
-            *(_report(js, registry, rollout, d, last_seen) for d in ids[start_at : start_at + 32])
+            *(_report(js, registry, rollout, d) for d in ids[start_at : start_at + 32])
         )
     return reports
 
 
 async def _report(
-    js: JetStreamContext, registry: Registry, rollout: Rollout, device_id: str, last_seen: bool
+    js: JetStreamContext, registry: Registry, rollout: Rollout, device_id: str
 ) -> DeviceReport:
     batch = rollout.batch_of(device_id)
     try:
@@ -260,11 +282,9 @@ async def _report(
         return DeviceReport(device_id, batch, WAITING if device else REMOVED)
     stream = _EVENTS.stream_name(device.shard)
     last = await _last(js, stream, f"fleet.{device_id}.{update_subject(device_id)}")
-    heartbeat_subject = f"fleet.{device_id}.evt.{device_id}.heartbeat"
-    heartbeat = await _last(js, stream, heartbeat_subject) if last_seen else None
-    seen = heartbeat.get("at") if heartbeat else None
     if last is None or last.get("version") != rollout.version:
-        return DeviceReport(device_id, batch, PENDING, last_seen=seen)
+        heartbeat = await _last(js, stream, f"fleet.{device_id}.evt.{device_id}.heartbeat")
+        return DeviceReport(device_id, batch, PENDING, last_seen=_stored_at(heartbeat))
     return DeviceReport(
         device_id,
         batch,
@@ -272,11 +292,11 @@ async def _report(
         bytes=last.get("bytes"),
         reason=str(last.get("reason") or ""),
         reported_at=last.get("at"),
-        last_seen=seen,
     )
 
 
 async def _last(js: JetStreamContext, stream: str, subject: str) -> dict[str, Any] | None:
+    """The body of the last message on `subject`, with ``stored_at``: when it reached `stream`."""
     try:
         msg = await js.get_last_msg(stream, subject)
     except NotFoundError:
@@ -285,6 +305,10 @@ async def _last(js: JetStreamContext, stream: str, subject: str) -> dict[str, An
         body = json.loads(msg.data or b"")
     except ValueError:
         return None
-    if isinstance(body, dict) and "at" not in body and msg.time is not None:
-        body["at"] = msg.time.isoformat()
-    return body if isinstance(body, dict) else None
+    if not isinstance(body, dict):
+        return None
+    return {**body, "stored_at": msg.time.isoformat() if msg.time else None}
+
+
+def _stored_at(body: dict[str, Any] | None) -> str | None:
+    return body.get("stored_at") if body else None
