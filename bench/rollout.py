@@ -31,6 +31,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import nats.errors
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
 
 from edge_agent.protocol.files import read_json
@@ -89,9 +91,14 @@ async def _tcp_baseline(size: int, shape: Shape) -> float:
 
 
 async def _pings(
-    hub: Hub, devices: list[InstalledDevice], stop: asyncio.Event, delays: list[float]
+    hub: Hub,
+    devices: list[InstalledDevice],
+    stop: asyncio.Event,
+    delays: list[float],
+    unsent: list[str],
 ) -> None:
-    """A ping to the next online device every few seconds; each one's start delay."""
+    """A ping to the next online device every few seconds; each one's start delay (and the
+    devices of those the hub did not accept in time)."""
     registry = await Registry.open(hub.js)
     streams = event_streams(await registry.list())
     issued: dict[str, datetime] = {}
@@ -102,10 +109,18 @@ async def _pings(
             if time.monotonic() >= next_ping:
                 device = devices[turn % len(devices)]
                 turn += 1
-                envelope = await send_command(hub, device.device_id, "ping", ttl=600)
-                issued[envelope.id] = datetime.fromisoformat(envelope.issued_at)
                 next_ping += PING_EVERY_S
-            for _, result in await reader.read(timeout=0.5):
+                try:
+                    envelope = await send_command(hub, device.device_id, "ping", ttl=600)
+                except (nats.errors.Error, TimeoutError):
+                    unsent.append(device.device_id)  # the hub did not take it: counted
+                    continue
+                issued[envelope.id] = datetime.fromisoformat(envelope.issued_at)
+            try:
+                results = await reader.read(timeout=0.5)
+            except (nats.errors.Error, TimeoutError):
+                continue  # a busy hub: read again
+            for _, result in results:
                 sent = issued.pop(str(result.get("command_id")), None)
                 if sent is not None and result.get("started_at"):
                     started = datetime.fromisoformat(result["started_at"])
@@ -151,6 +166,7 @@ async def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                     operator,
                     shape=shape,
                     max_rate=args.max_rate,
+                    heartbeat="10s",
                     health_deadline="300s",
                     check_interval="2s",
                 )
@@ -165,8 +181,9 @@ async def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             proxy.cut()
         online = [d for d, _ in devices if all(d is not o for o, _ in offline)]
         delays: list[float] = []
+        unsent: list[str] = []
         stop = asyncio.Event()
-        pinger = asyncio.create_task(_pings(hub, online, stop, delays))
+        pinger = asyncio.create_task(_pings(hub, online, stop, delays, unsent))
         start = time.monotonic()
         await rollout.start(
             hub.js,
@@ -197,6 +214,7 @@ async def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "rolled_back": sum(r.state == UpdateState.ROLLED_BACK for r in reports),
         "refetched_bytes": sum(max(0, f - record.size) for f in fetched),
         "pings": len(delays),
+        "pings_not_accepted": len(unsent),
         "max_command_delay_s": round(max(delays, default=float("nan")), 2),
         "total_s": round(total_s, 1),
     }
@@ -214,7 +232,11 @@ async def _follow(
     restored = False
     canary_s: float | None = None
     while True:
-        plan, reports = await rollout.status(hub.js, hub.config)
+        await asyncio.sleep(3.0)  # polling the rollout, as an operator's status would
+        try:
+            plan, reports = await rollout.status(hub.js, hub.config)
+        except (nats.errors.Error, TimeoutError):
+            continue  # the machine is busy installing: ask again
         states = {r.device_id: r.state for r in reports}
         if canary_s is None and states[devices[0][0].device_id] != rollout.PENDING:
             canary_s = _download_s(devices[0][0])
@@ -226,7 +248,6 @@ async def _follow(
             print(f"online devices healthy at {time.monotonic() - start:.0f}s", file=sys.stderr)
         if plan.state != rollout.RolloutState.RUNNING:
             return plan, reports, canary_s
-        await asyncio.sleep(1.0)  # polling the rollout, as an operator's status would
 
 
 def _entry(device: InstalledDevice) -> dict[str, Any]:

@@ -68,7 +68,7 @@ async def _devices(
                 hub, base, root, device_id, operator_key, **update
             )
         for device, _ in devices.values():
-            await eventually(device.status, timeout=90, what=f"{device.device_id} healthy")
+            await eventually(device.status, timeout=180, what=f"{device.device_id} healthy")
         yield devices
     finally:
         for device, proxy in devices.values():
@@ -86,41 +86,50 @@ async def _rollout_in(hub: Hub, state: rollout.RolloutState) -> rollout.Rollout 
     return plan if plan.state == state else None
 
 
-async def test_a_rollout_reaches_a_device_that_was_offline_when_it_started(
+async def test_a_rollout_reaches_the_devices_that_were_offline_when_it_started(
     hub: Hub, wheelhouse: Path, base_release: Path, tmp_path: Path
 ) -> None:
-    """Canary first, then the rest; the device whose link is cut waits as pending and takes
-    the release once its link returns; every device ends on it, healthy."""
+    """20 devices, 5 of them cut off: the canary, then half the fleet, then the rest; the
+    offline devices do not hold the batches up, wait as pending (last seen before the cut)
+    and keep the rollout running; they take the release once their links return, and every
+    device ends on it, its new agent running healthy."""
     key = tmp_path / "release.nk"
     operator = new_release_key(key)
     await publish(
         hub.js, hub.config, release_dir(wheelhouse, NEXT_VERSION, tmp_path / "w"), NEXT_VERSION, key
     )
-    async with _devices(hub, base_release, tmp_path, ["a", "b", "c"], operator) as devices:
-        devices["c"][1].cut()
+    ids = [f"d{i:02d}" for i in range(20)]
+    offline = ["d04", "d08", "d12", "d16", "d19"]  # in the second batch and the third
+    async with _devices(
+        hub, base_release, tmp_path, ids, operator, health_deadline="240s"
+    ) as devices:
+        for device_id in offline:
+            devices[device_id][1].cut()
         await rollout.start(
-            hub.js, hub.config, NEXT_VERSION, canary=1, shares=[1.0], max_failures=0
+            hub.js, hub.config, NEXT_VERSION, canary=1, shares=[0.5, 1.0], max_failures=0
         )
         plan, _ = await rollout.status(hub.js, hub.config)
-        assert plan.batches == [["a"], ["b", "c"]]
+        assert plan.batches == [ids[:1], ids[1:10], ids[10:]]
 
-        async def healthy(device_id: str) -> bool:
-            return (await _report(hub, device_id)).state == UpdateState.HEALTHY
+        async def online_healthy() -> bool:
+            _, reports = await rollout.status(hub.js, hub.config)
+            states = {r.device_id: r.state for r in reports}
+            return all(states[d] == UpdateState.HEALTHY for d in ids if d not in offline)
 
-        await eventually(lambda: healthy("a"), timeout=240, what="canary a healthy")
-        assert devices["a"][0].current == NEXT_VERSION
-        await eventually(lambda: healthy("b"), timeout=240, what="b healthy")
-        c = await _report(hub, "c")
-        assert c.state == rollout.PENDING and c.last_seen, c
-        assert devices["c"][0].current == VERSION
-        assert (await _rollout_in(hub, rollout.RolloutState.RUNNING)) is not None
+        await eventually(online_healthy, timeout=600, what="the 15 online devices healthy")
+        plan, reports = await rollout.status(hub.js, hub.config)
+        assert plan.state == rollout.RolloutState.RUNNING and plan.opened == 3
+        for report in reports:
+            if report.device_id in offline:
+                assert report.state == rollout.PENDING and report.last_seen, report
+                assert devices[report.device_id][0].current == VERSION
 
-        devices["c"][1].restore()
+        for device_id in offline:
+            devices[device_id][1].restore()
         await eventually(
-            lambda: healthy("c"), timeout=240, what="c healthy after its link returned"
-        )
-        await eventually(
-            lambda: _rollout_in(hub, rollout.RolloutState.DONE), timeout=30, what="rollout done"
+            lambda: _rollout_in(hub, rollout.RolloutState.DONE),
+            timeout=600,
+            what="rollout done once the offline devices returned",
         )
         for device, _ in devices.values():
             assert device.current == NEXT_VERSION and device.running == NEXT_VERSION

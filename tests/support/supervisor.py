@@ -96,7 +96,9 @@ class InstalledDevice:
         os.system(f"pkill -KILL -f '{self.config_path} update install'")
 
 
-def write_config(device: InstalledDevice, hub: Hub, operator_key: str, **update: str) -> None:
+def write_config(
+    device: InstalledDevice, hub: Hub, operator_key: str, heartbeat: str = "2s", **update: str
+) -> None:
     """The device's agent.toml: a child island, the link through its proxy, pulled updates
     installed by an installer the agent starts itself, restarts by signalling the agent."""
     state = device.root / "var/lib/edge-agent"
@@ -118,7 +120,7 @@ def write_config(device: InstalledDevice, hub: Hub, operator_key: str, **update:
         f"""device_id = {json.dumps(device.device_id)}
 [agent]
 state_dir = {json.dumps(str(state))}
-heartbeat_interval = "2s"
+heartbeat_interval = {json.dumps(heartbeat)}
 [island]
 max_file_store = "256MiB"
 client_listen = "127.0.0.1:{free_port()}"
@@ -142,6 +144,7 @@ async def installed_device(
     operator_key: str,
     *,
     shape: Shape | None = None,
+    heartbeat: str = "2s",
     **update: str,
 ) -> tuple[InstalledDevice, LinkProxy]:
     """Enrol `device_id`, lay it out under ``root/<id>-root`` with release `VERSION` (a link
@@ -155,6 +158,6 @@ async def installed_device(
     releases.mkdir(parents=True)
     (releases / VERSION).symlink_to(base)
     (device.prefix / "current").symlink_to(f"releases/{VERSION}")
-    write_config(device, hub, operator_key, **update)
+    write_config(device, hub, operator_key, heartbeat, **update)
     device.start()
     return device, proxy
