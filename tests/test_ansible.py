@@ -187,6 +187,7 @@ async def test_role_converges_twice_and_installs_a_healthy_agent(
         edge_agent_tls_ca_src=str(pki.cert_file),
         edge_agent_tls_cert_src=str(device.cert_file),
         edge_agent_tls_key_src=str(device.key_file),
+        edge_agent_update_operator_key=new_release_key(tmp_path / "release.nk"),
     )
     inventory = _inventory(tmp_path / "inventory.yml", wheelhouse, {"dev1": host})
 
@@ -211,9 +212,17 @@ async def test_role_converges_twice_and_installs_a_healthy_agent(
         "key_file": str(config_dir / "tls/device-key.pem"),
     }
 
+    update = _config(root)["update"]
+    assert update["operator_key"] == host["edge_agent_update_operator_key"]
+    assert update["prefix"] == str(root / "opt/edge-agent")
     assert _current(root) == f"releases/{VERSION}"
-    units = sorted(p.name for p in (root / "etc/systemd/system").glob("edge-*.service"))
-    assert units == ["edge-agent.service", "edge-nats.service"]
+    units = sorted(p.name for p in (root / "etc/systemd/system").glob("edge-*"))
+    assert units == [
+        "edge-agent-update.path",
+        "edge-agent-update.service",
+        "edge-agent.service",
+        "edge-nats.service",
+    ]
     async with installed_agent(root):
         status = await eventually(lambda: _status(root), timeout=90, what="installed agent healthy")
     assert status is not None
