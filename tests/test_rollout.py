@@ -34,7 +34,7 @@ from hub_ingest.fleet.releases import (
     release_store,
     rollout_bucket,
 )
-from tests.support.cluster import Device, Hub
+from tests.support.cluster import Device, Hub, run_cli, write_agent_config
 from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.timeout(300)
@@ -211,3 +211,12 @@ async def test_a_download_cut_midway_resumes_without_fetching_a_chunk_twice(
     assert entry.get("fetched") == record.size, entry
     assert paths.bundle("9.1.0").stat().st_size == record.size
     assert not paths.progress("9.1.0").exists()
+    # What `edge-agent update status --json` shows on the device.
+    operator = device.config.update.operator_key
+    config = write_agent_config(
+        device, tmp_path / "a.toml", f'[update]\noperator_key = "{operator}"'
+    )
+    shown = run_cli("edge_agent", "-c", str(config), "update", "status", "--json")
+    assert shown.returncode == 0, shown.stderr
+    report = json.loads(shown.stdout)
+    assert report["staged"] == "9.1.0" and report["versions"]["9.1.0"]["state"] == "staged"
