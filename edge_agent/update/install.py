@@ -85,11 +85,15 @@ def _install_staged(config: Config, paths: UpdatePaths, staged: dict[str, Any]) 
     try:
         record = ReleaseRecord.from_json(json.dumps(staged.get("record")).encode())
         verify_record(record, config.update.operator_key)
-        bundle = paths.bundle(version)
-        if record.version != version or _sha256(bundle) != record.sha256:
-            raise ReleaseRejected(f"{bundle} does not match the signed record of {version}")
+        if record.version != version:
+            raise ReleaseRejected(f"staged {version!r} with the record of {record.version}")
         if previous != version:
-            make_release(prefix, config.update.python, bundle, version)
+            # A copy the agent's user cannot touch: checked and installed from the same bytes.
+            with tempfile.TemporaryDirectory(dir=prefix, prefix=".bundle.") as own:
+                bundle = Path(shutil.copy(paths.bundle(version), own))
+                if _sha256(bundle) != record.sha256:
+                    raise ReleaseRejected(f"{bundle} does not match the signed record")
+                make_release(prefix, config.update.python, bundle, version)
     except ReleaseRejected as exc:
         return Outcome(version, UpdateState.REFUSED, str(exc), previous)
     except (InstallFailed, OSError) as exc:
