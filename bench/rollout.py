@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -215,6 +216,10 @@ async def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "refetched_bytes": sum(max(0, f - record.size) for f in fetched),
         "pings": len(delays),
         "pings_not_accepted": len(unsent),
+        "median_command_delay_s": round(statistics.median(delays), 2) if delays else None,
+        "p90_command_delay_s": round(statistics.quantiles(delays, n=10)[-1], 2)
+        if len(delays) > 1
+        else None,
         "max_command_delay_s": round(max(delays, default=float("nan")), 2),
         "total_s": round(total_s, 1),
     }
