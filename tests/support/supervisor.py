@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -93,7 +94,8 @@ class InstalledDevice:
         if self._task is not None:
             await asyncio.wait_for(self._task, 30)
         # An installer the agent started runs in its own session: stop it too.
-        os.system(f"pkill -KILL -f '{self.config_path} update install'")
+        pattern = f"{self.config_path} update install"
+        subprocess.run(["pkill", "-KILL", "-f", pattern], check=False)
 
 
 def write_config(
