@@ -53,6 +53,7 @@ from edge_agent.protocol.names import (
     island_deliver_subject,
 )
 from edge_agent.protocol.reconcile import Reconciled, mirror_consumer, reconcile_stream
+from edge_agent.protocol.release import RELEASES_BUCKET, ROLLOUT_BUCKET
 from edge_agent.protocol.units import parse_time
 from hub_ingest.core.buckets import COMMAND_INDEX, GAPS, bucket_stream, open_bucket
 from hub_ingest.core.config import HubConfig
@@ -448,6 +449,10 @@ async def _provision_once(
             await _bucket_replicas(js, stream, config.replicas)
             for stream in (REGISTRY_STREAM, INDEX_STREAM, GAPS_STREAM)
         ]
+        # Made by the first `release publish`, if there was one.
+        for stream in (bucket_stream(ROLLOUT_BUCKET), f"OBJ_{RELEASES_BUCKET}"):
+            with contextlib.suppress(NotFoundError):
+                results.append(await _bucket_replicas(js, stream, config.replicas))
         results.append(await reconcile_stream(js, commands_stream(config)))
         results.append(await reconcile_stream(js, refill_stream(config)))
         results += [await provision_commands(js, config, d) for d in touched]

@@ -27,11 +27,22 @@ from typing import Any
 
 import structlog
 from nats.js import JetStreamContext
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
+from nats.js.errors import (
+    BucketNotFoundError,
+    KeyNotFoundError,
+    KeyWrongLastSequenceError,
+    NotFoundError,
+)
 from nats.js.kv import KeyValue
 
 from edge_agent.protocol.names import EVENTS
-from edge_agent.protocol.release import ROLLOUT_KEY, UpdateState, desired_key, update_subject
+from edge_agent.protocol.release import (
+    ROLLOUT_BUCKET,
+    ROLLOUT_KEY,
+    UpdateState,
+    desired_key,
+    update_subject,
+)
 from edge_agent.protocol.units import utc_now_iso
 from hub_ingest.core.config import HubConfig
 from hub_ingest.core.errors import RegistryError, RolloutError
@@ -182,8 +193,11 @@ async def start(
 
 async def advance(js: JetStreamContext, config: HubConfig) -> Rollout | None:
     """One step of a running rollout: stop it on too many failures, open the next batch
-    when the open ones are healthy, or finish it."""
-    kv = await rollout_bucket(js, config)
+    when the open ones are through, or finish it."""
+    try:
+        kv = await js.key_value(ROLLOUT_BUCKET)  # never made here: every watcher runs this
+    except BucketNotFoundError:
+        return None  # nothing was ever published
     loaded = await _load(kv)
     if loaded is None or loaded[0].state != RolloutState.RUNNING:
         return loaded[0] if loaded else None
