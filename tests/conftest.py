@@ -13,7 +13,22 @@ from hub_ingest.ingest.job import spark_session
 from tests.support.certs import Authority
 from tests.support.cluster import Hub, start_hub
 from tests.support.hubcluster import ClusterHub, start_cluster_hub
+from tests.support.leaks import kill, processes_mentioning
 from tests.support.releases import NEXT_VERSION, build_wheelhouse, release_wheel
+
+
+@pytest.fixture(autouse=True)
+def no_process_outlives_its_test(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A process the test started under its directory and left running is killed and fails
+    the test, instead of answering on its ports in the tests after it."""
+    if "tmp_path" not in request.fixturenames:
+        yield
+        return
+    tmp_path: Path = request.getfixturevalue("tmp_path")
+    yield
+    leaked = processes_mentioning(tmp_path)
+    kill(leaked)
+    assert not leaked, f"left running: {leaked}"
 
 
 @pytest.fixture

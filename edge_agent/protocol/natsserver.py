@@ -102,13 +102,26 @@ class ServerProcess:
         """Start the server and return once it answers healthy."""
         proc = self.spawn()
         deadline = time.monotonic() + timeout
-        while not await self.monitor.healthy():
+        while not (await self.monitor.healthy() and await self._answers_as(proc)):
             if proc.poll() is not None or time.monotonic() > deadline:
                 self.kill()
                 tail = self.log_path.read_text(errors="replace")[-2000:]
                 raise MonitorUnavailable(f"nats-server {self.config_path} did not start:\n{tail}")
             await asyncio.sleep(0.1)
         return self
+
+    async def _answers_as(self, proc: subprocess.Popen[bytes]) -> bool:
+        """Whether the server answering on the monitor port is `proc`, by the server ID its log
+        names. A port chosen free can be bound by another process before ours binds it (seen
+        on CI: tests talked to a server another test had left running); ours then exits on the
+        bind error, but a healthy answer from the other would pass for it."""
+        try:
+            server_id = (await self.monitor.get("/varz")).get("server_id")
+        except MonitorUnavailable:
+            return False
+        log = self.log_path.read_text(errors="replace")
+        logged = re.findall(rf"^\[{proc.pid}\] .*\]\s+ID:\s+(\S+)\s*$", log, re.MULTILINE)
+        return bool(server_id) and server_id in logged
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
