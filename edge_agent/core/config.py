@@ -6,9 +6,11 @@ the key (``island.max_file_store: expected size like "2GiB", got 'lots'``).
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from edge_agent.core.errors import ConfigError
 from edge_agent.protocol.names import island_name, js_api
@@ -191,12 +193,16 @@ def _loopback_listen(value: object) -> Listen:
     return Listen(*host_port(value, loopback=True))
 
 
-def _supervise(value: object) -> Supervise:
-    if value == "child":
-        return "child"
-    if value == "external":
-        return "external"
-    raise ValueError(f'expected "child" or "external", got {value!r}')
+def _one_of(kind: Any) -> Callable[[object], Any]:
+    """A parser that takes exactly the strings of the ``Literal`` type `kind`."""
+    allowed = get_args(kind)
+
+    def parse(value: object) -> Any:
+        if value in allowed:
+            return value
+        raise ValueError(f"expected {' or '.join(map(json.dumps, allowed))}, got {value!r}")
+
+    return parse
 
 
 def _argv_list(value: object) -> tuple[tuple[str, ...], ...]:
@@ -216,14 +222,6 @@ def _argv_list(value: object) -> tuple[tuple[str, ...], ...]:
             )
         allowed.append(tuple(argv))
     return tuple(allowed)
-
-
-def _installer(value: object) -> Installer:
-    if value == "systemd":
-        return "systemd"
-    if value == "spawn":
-        return "spawn"
-    raise ValueError(f'expected "systemd" or "spawn", got {value!r}')
 
 
 def _operator_key(value: object) -> str:
@@ -305,7 +303,7 @@ def parse_config(data: dict[str, Any], source: Path | None = None) -> Config:
         max_payload=isl.get("max_payload", _positive_size, 1024**2),
         client_listen=isl.get("client_listen", _loopback_listen, Listen("127.0.0.1", 4222)),
         monitor_listen=isl.get("monitor_listen", _loopback_listen, Listen("127.0.0.1", 8222)),
-        supervise=isl.get("supervise", _supervise, "external"),
+        supervise=isl.get("supervise", _one_of(Supervise), "external"),
         nats_server=isl.get("nats_server", string, "nats-server"),
         config_path=isl.get("config_path", path, agent.state_dir / "nats-server.conf"),
     )
@@ -380,7 +378,7 @@ def parse_config(data: dict[str, Any], source: Path | None = None) -> Config:
         prefix=update_sec.get("prefix", path, Path("/opt/edge-agent")),
         python=update_sec.get("python", string, "/usr/bin/python3"),
         health_deadline=update_sec.get("health_deadline", _positive_duration, 120.0),
-        installer=update_sec.get("installer", _installer, "systemd"),
+        installer=update_sec.get("installer", _one_of(Installer), "systemd"),
         restart=update_sec.get("restart", _argv, DEFAULT_RESTART),
     )
     update_sec.finish()

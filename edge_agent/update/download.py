@@ -31,8 +31,9 @@ log = structlog.get_logger(__name__)
 REQUEST_TIMEOUT_S = 10.0  # one chunk over a slow link: 128 KiB at 256 kbit/s is 4 s
 
 
-class ChunkUnavailable(Exception):
-    """The hub did not hand out the next chunk (its stream has no leader, …): retried later."""
+class HubReadUnavailable(Exception):
+    """The hub did not answer a read (a chunk, the wanted release: its stream has no leader,
+    …): retried later."""
 
 
 async def download(
@@ -64,7 +65,7 @@ async def download(
                     f"bytes, short of the {record.size} its record says"
                 )
             if headers.get("Status") or "Nats-Sequence" not in headers:
-                raise ChunkUnavailable(f"no chunk from seq {progress.next_seq}: {headers}")
+                raise HubReadUnavailable(f"no chunk from seq {progress.next_seq}: {headers}")
             data = reply.data
             progress = replace(progress, fetched=progress.fetched + len(data))
             if progress.received + len(data) > record.size:

@@ -36,7 +36,7 @@ from edge_agent.protocol.release import (
     verify_record,
 )
 from edge_agent.protocol.units import utc_now_iso
-from edge_agent.update.download import REQUEST_TIMEOUT_S, ChunkUnavailable, download
+from edge_agent.update.download import REQUEST_TIMEOUT_S, HubReadUnavailable, download
 from edge_agent.update.paths import Progress, UpdatePaths
 
 log = structlog.get_logger(__name__)
@@ -44,7 +44,7 @@ log = structlog.get_logger(__name__)
 PROGRESS_EVERY_S = 10.0  # a "downloading" event at most this often
 # A version in one of these states is not tried again until the hub wants another.
 SETTLED = (UpdateState.REFUSED, UpdateState.FAILED, UpdateState.ROLLED_BACK)
-_TRANSIENT = (nats.errors.Error, TimeoutError, ChunkUnavailable)
+_TRANSIENT = (nats.errors.Error, TimeoutError, HubReadUnavailable)
 
 
 def update_paths(config: Config) -> UpdatePaths:
@@ -135,7 +135,7 @@ class Updater:
         if headers.get("Status") == "404" or headers.get("KV-Operation") in ("DEL", "PURGE"):
             return None
         if headers.get("Status"):
-            raise ChunkUnavailable(f"{key}: status {headers.get('Status')}")
+            raise HubReadUnavailable(f"{key}: status {headers.get('Status')}")
         return reply.data
 
     async def _record(self, version: str) -> ReleaseRecord:
