@@ -1,18 +1,27 @@
 """A backlog over a slow, lossy link: how close to the link's capacity it drains.
 
-A device fills while its link is cut (default 50k readings of ~200-byte JSON); the link then
-comes back as an LTE-like link (100 ms round trip, 2 Mbit/s each way, optional segment loss;
-`hub_ingest.local.link.Shape`) and the time until the hub has every reading is measured. The
-first run has leaf compression off (the baseline), the second nats-server's ``s2_auto``; each
-uses a fresh hub and device. Midway through each drain a command is sent: it must start
-(its result in the island's ``EVENTS``) within seconds, not after the backlog.
+A device fills while its link is cut (about 30 s of the raw link's worth of ~200-byte JSON
+readings, or `--readings`); the link then comes back shaped (`hub_ingest.local.link.Shape`:
+round trip, rate each way, segment loss) and the time until the hub has every reading, in
+the device's mirror and in the fleet aggregate, is measured. Each shape is run with leaf
+compression off and with nats-server's ``s2_auto``, each on a fresh hub and device, and
+against the physical limit measured through the same shaped proxy in the same run: a plain
+bulk TCP transfer of the same reading bytes, raw and snappy-compressed (s2's base format;
+the `cramjam` package). Midway through each drain a command is sent: it must start (its
+result in the island's ``EVENTS``) within seconds, not after the backlog.
 
-    .venv/bin/python bench/slow_link.py [--readings 50000] [--loss 0.01]
+    .venv/bin/python bench/slow_link.py [--shape lte|rural|geo|all] [--readings N]
+    .venv/bin/python bench/slow_link.py --day     # 86,400 readings, LTE, to the archive too
 
-Figures: ``link_utilization`` = bytes that crossed toward the hub / (capacity * elapsed),
-``payload_goodput_ratio`` = reading bytes delivered / (capacity * elapsed). Last line:
-``link_utilization=… payload_goodput_ratio=… lost=0 duplicated=0`` (utilization of the
-uncompressed run, goodput of the compressed one, losses and duplicates over both).
+Shapes: ``lte`` 100 ms, 2 Mbit/s, 1 % loss; ``rural`` 300 ms, 256 kbit/s, 5 %; ``geo``
+(geostationary satellite) 600 ms, 1 Mbit/s, 1 %.
+
+Figures, per run: ``utilization`` = bytes that crossed toward the hub / (rate * elapsed);
+``goodput`` = reading bytes delivered / (rate * elapsed); ``tcp_ratio`` = the TCP transfer's
+time / the drain's (1.0: as fast as a bulk copy of the same bytes, compressed alike). The last
+line: ``link_utilization=… payload_goodput_ratio=… tcp_ratio=… day_backlog_s=… lost=…
+duplicated=… command_start_s=…`` (the compressed runs' worst utilization, goodput and TCP
+ratio over the shapes; ``day_backlog_s`` only with ``--day``).
 """
 
 from __future__ import annotations
@@ -22,21 +31,35 @@ import asyncio
 import json
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import cramjam
+from pyspark.sql import SparkSession
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
 
 from edge_agent.protocol.envelope import new_envelope
 from edge_agent.protocol.logs import configure_logging
+from hub_ingest.archive import table
 from hub_ingest.commands.send import send
-from hub_ingest.local.link import Shape
+from hub_ingest.ingest.job import ingest, spark_session
+from hub_ingest.local.link import LinkProxy, Shape
 from tests.support.cluster import Device, Hub, mirror_live, start_hub
 from tests.support.commands import results
 from tests.support.waiting import RESUME_TIMEOUT, eventually
 
 LTE = Shape(rtt=0.1, rate=2_000_000 / 8)
+SHAPES = {
+    "lte": Shape(rtt=0.1, rate=2_000_000 / 8, loss=0.01, seed=7),
+    "rural": Shape(rtt=0.3, rate=256_000 / 8, loss=0.05, seed=7),
+    "geo": Shape(rtt=0.6, rate=1_000_000 / 8, loss=0.01, seed=7),
+}
+READING_BYTES = 200
+DAY = 86_400  # a day of readings at 1 Hz
+SUBJECT = "tele.line.temperature"
 
 
 @dataclass(frozen=True)
@@ -50,6 +73,7 @@ class Drain:
     at_hub: int
     lost: int
     duplicated: int
+    archive_s: float | None = None  # until every reading was in the archive (`spark` runs)
 
     def utilization(self, shape: Shape) -> float:
         return self.bytes_up / (shape.rate * self.elapsed_s)
@@ -70,14 +94,14 @@ def reading(i: int) -> bytes:
         "site": "plant-7",
         "firmware": "4.12.0",
     }
-    return json.dumps(body).encode().ljust(200)
+    return json.dumps(body).encode().ljust(READING_BYTES)
 
 
 async def _fill(device: Device, readings: int) -> int:
     payload = 0
     for start in range(0, readings, 500):
         batch = [reading(i) for i in range(start, min(start + 500, readings))]
-        await asyncio.gather(*(device.js.publish("tele.line.temperature", b) for b in batch))
+        await asyncio.gather(*(device.js.publish(SUBJECT, b) for b in batch))
         payload += sum(len(b) for b in batch)
     return payload
 
@@ -106,11 +130,20 @@ async def _has_result(device: Device, command_id: str) -> bool:
 
 
 async def drain(
-    root: Path, readings: int, shape: Shape, compression: str, *, cuts: int = 0
+    root: Path,
+    readings: int,
+    shape: Shape,
+    compression: str,
+    *,
+    cuts: int = 0,
+    spark: SparkSession | None = None,
 ) -> Drain:
     """Fill a device while cut, restore a link shaped `shape`, time the drain (with `cuts`
-    extra cuts during it) and check every reading reached the hub once."""
+    extra cuts during it) and check every reading reached the hub once; with `spark`, the
+    ingest runs meanwhile and the time until the archive has every reading is taken too."""
     hub = await start_hub(root, leaf_compression=compression)
+    stop_ingest = threading.Event()
+    ingesting: asyncio.Future[object] | None = None
     try:
         # Both ends set, so that each run measures its mode from the first byte (by default
         # a device chooses by the round trip it measures, `edge_agent.island.compression`).
@@ -125,6 +158,10 @@ async def drain(
         payload = await _fill(device, readings)
         device.proxy.shape = shape
         device.proxy.bytes_up = 0
+        if spark is not None:
+            ingesting = asyncio.ensure_future(
+                asyncio.to_thread(ingest, spark, hub.config, once=False, stop=stop_ingest)
+            )
         start = time.monotonic()
         device.proxy.restore()
         command_s = -1.0
@@ -144,6 +181,12 @@ async def drain(
                 break
             await asyncio.sleep(0.25)
         elapsed = time.monotonic() - start
+        archive_s = None
+        if spark is not None:
+            await eventually(
+                lambda: _archived(hub, readings), timeout=600, interval=1.0, what="archived"
+            )
+            archive_s = time.monotonic() - start
         # The mirror keeps the device's sequence numbers: complete and once means exactly
         # 1..N there, and N in the aggregate.
         stored, last, at_hub = await _counts(hub, device)
@@ -157,43 +200,137 @@ async def drain(
             at_hub,
             lost=max(0, readings - min(stored, at_hub)),
             duplicated=max(0, at_hub - readings) + max(0, last - readings),
+            archive_s=archive_s,
         )
     finally:
+        stop_ingest.set()
+        if ingesting is not None:
+            await ingesting
         await hub.close()
 
 
-async def main(readings: int, loss: float) -> None:
-    configure_logging("warning")
-    shape = Shape(rtt=LTE.rtt, rate=LTE.rate, loss=loss, seed=7)
-    print(f"link: {shape.rtt * 1000:.0f} ms rtt, {shape.rate * 8 / 1e6:g} Mbit/s, loss {loss}")
-    runs = []
+async def _archived(hub: Hub, readings: int) -> bool:
+    rows = await asyncio.to_thread(
+        table.read, hub.config.ingest, ["hub_seq"], row_filter=f"subject = '{SUBJECT}'"
+    )
+    return rows is not None and rows.num_rows >= readings
+
+
+async def tcp_seconds(data: bytes, shape: Shape) -> float:
+    """How long a plain bulk TCP copy of `data` takes through a proxy shaped `shape`: the
+    physical limit a drain of the same bytes is compared with."""
+    received = 0
+    done = asyncio.Event()
+
+    async def sink(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal received
+        while chunk := await reader.read(65536):
+            received += len(chunk)
+            if received >= len(data):
+                done.set()
+        writer.close()
+
+    server = await asyncio.start_server(sink, "127.0.0.1", 0)
+    try:
+        async with LinkProxy(server.sockets[0].getsockname()[1], shape=shape) as proxy:
+            _, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+            start = time.monotonic()
+            writer.write(data)
+            await writer.drain()
+            await asyncio.wait_for(done.wait(), timeout=1800)
+            elapsed = time.monotonic() - start
+            writer.close()
+    finally:
+        server.close()
+    return elapsed
+
+
+@dataclass(frozen=True)
+class ShapeRun:
+    name: str
+    shape: Shape
+    tcp_raw_s: float
+    tcp_compressed_s: float
+    off: Drain
+    compressed: Drain
+
+    def line(self) -> str:
+        off, on = self.off, self.compressed
+        return (
+            f"{self.name}: {on.readings} readings; tcp {self.tcp_raw_s:.1f}s raw, "
+            f"{self.tcp_compressed_s:.1f}s snappy | off {off.elapsed_s:.1f}s, utilization "
+            f"{off.utilization(self.shape):.2f}, tcp_ratio {self.tcp_raw_s / off.elapsed_s:.2f} "
+            f"| s2_auto {on.elapsed_s:.1f}s, utilization {on.utilization(self.shape):.2f}, "
+            f"goodput {on.goodput_ratio(self.shape):.2f}x, tcp_ratio "
+            f"{self.tcp_ratio:.2f} | command started in "
+            f"{max(off.command_start_s, on.command_start_s):.2f}s, lost {off.lost + on.lost}, "
+            f"duplicated {off.duplicated + on.duplicated}"
+        )
+
+    @property
+    def tcp_ratio(self) -> float:
+        """The compressed drain against a compressed bulk copy of the same readings."""
+        return self.tcp_compressed_s / self.compressed.elapsed_s
+
+
+async def run_shape(name: str, shape: Shape, readings: int) -> ShapeRun:
+    data = b"".join(reading(i) for i in range(readings))
+    tcp_raw = await tcp_seconds(data, shape)
+    tcp_compressed = await tcp_seconds(bytes(cramjam.snappy.compress(data)), shape)
+    drains = []
     for compression in ("off", "s2_auto"):
         with tempfile.TemporaryDirectory(prefix="slow-link-") as tmp:
-            run = await drain(Path(tmp), readings, shape, compression)
-        runs.append(run)
-        print(
-            f"compression {compression:>7}: {run.readings} readings in {run.elapsed_s:.1f}s, "
-            f"{run.bytes_up / 1e6:.1f} MB crossed, utilization {run.utilization(shape):.2f}, "
-            f"goodput {run.goodput_ratio(shape):.2f}x the raw link, "
-            f"command started in {run.command_start_s:.2f}s, "
-            f"lost {run.lost}, duplicated {run.duplicated}",
-            flush=True,
-        )
-    base, compressed = runs
+            drains.append(await drain(Path(tmp), readings, shape, compression))
+    run = ShapeRun(name, shape, tcp_raw, tcp_compressed, *drains)
+    print(run.line(), flush=True)
+    return run
+
+
+async def day() -> Drain:
+    """A day of readings over the headline link (2 Mbit/s, 100 ms), the ingest running."""
+    spark = spark_session("local[2]")
+    try:
+        with tempfile.TemporaryDirectory(prefix="slow-link-day-") as tmp:
+            run = await drain(Path(tmp), DAY, LTE, "s2_auto", spark=spark)
+    finally:
+        spark.stop()
     print(
-        f"compressed_vs_off_speedup={base.elapsed_s / compressed.elapsed_s:.2f} "
-        f"command_start_max_s={max(r.command_start_s for r in runs):.2f}"
+        f"day: {run.readings} readings at the hub in {run.elapsed_s:.1f}s, in the archive in "
+        f"{run.archive_s:.1f}s; utilization {run.utilization(LTE):.2f}, goodput "
+        f"{run.goodput_ratio(LTE):.2f}x, command started in {run.command_start_s:.2f}s, "
+        f"lost {run.lost}, duplicated {run.duplicated}",
+        flush=True,
     )
+    return run
+
+
+async def main(shapes: list[str], readings: int | None, seconds: float, with_day: bool) -> None:
+    configure_logging("warning")
+    whole_day = await day() if with_day else None
+    runs = []
+    for name in shapes:
+        shape = SHAPES[name]
+        count = readings or int(shape.rate * seconds / READING_BYTES)
+        runs.append(await run_shape(name, shape, count))
+    drains = [d for r in runs for d in (r.off, r.compressed)]
+    if whole_day is not None:
+        drains.append(whole_day)
+    day_s = f"day_backlog_s={whole_day.elapsed_s:.1f} " if whole_day else ""
     print(
-        f"link_utilization={base.utilization(shape):.2f} "
-        f"payload_goodput_ratio={compressed.goodput_ratio(shape):.2f} "
-        f"lost={sum(r.lost for r in runs)} duplicated={sum(r.duplicated for r in runs)}"
+        f"link_utilization={min(r.compressed.utilization(r.shape) for r in runs):.2f} "
+        f"payload_goodput_ratio={min(r.compressed.goodput_ratio(r.shape) for r in runs):.2f} "
+        f"tcp_ratio={min(r.tcp_ratio for r in runs):.2f} {day_s}"
+        f"lost={sum(d.lost for d in drains)} duplicated={sum(d.duplicated for d in drains)} "
+        f"command_start_s={max(d.command_start_s for d in drains):.2f}"
     )
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--readings", type=int, default=50_000)
-    parser.add_argument("--loss", type=float, default=0.0, help="chance a segment is lost")
+    parser.add_argument("--shape", choices=[*SHAPES, "all"], default="lte")
+    parser.add_argument("--readings", type=int, help="backlog size (default: --seconds' worth)")
+    parser.add_argument("--seconds", type=float, default=30.0, help="raw link time to fill")
+    parser.add_argument("--day", action="store_true", help="first a day's backlog, archived")
     args = parser.parse_args()
-    asyncio.run(main(args.readings, args.loss))
+    chosen = list(SHAPES) if args.shape == "all" else [args.shape]
+    asyncio.run(main(chosen, args.readings, args.seconds, args.day))

@@ -29,6 +29,7 @@ import pytest
 
 import edge_agent
 from edge_agent.protocol.monitor import Monitor
+from hub_ingest.core.config import load_hub_config
 from hub_ingest.local.fleet import free_port
 from tests.support.ansible import BIN, playbook, recap
 from tests.support.certs import Authority
@@ -248,3 +249,58 @@ async def test_hub_role_runs_a_three_node_cluster(wheelhouse: Path, tmp_path: Pa
         await eventually(synced, timeout=60, what="dev1 in hub-3's users file")
         out = await asyncio.to_thread(_cli, roots["hub-3"], "report", "--json", codes=(0, 1))
         assert [d["device_id"] for d in json.loads(out)["devices"]] == ["dev1"], out
+
+
+def test_hub_role_renders_a_region_of_a_supercluster(tmp_path: Path) -> None:
+    """The role's hub.toml carries a device's own replica count and the other regions'
+    gateways, and hub-ingest reads it back as written."""
+    nodes = [
+        {**node, "gateway_listen": f"127.0.0.1:{7522 + i}"}
+        for i, node in enumerate(loopback_cluster_nodes())
+    ]
+    west = {
+        "name": "west",
+        "urls": ["nats://west-1.hub.example:7522", "nats://west-2.hub.example:7522"],
+    }
+    settings = {
+        "hub_cluster_nodes": nodes,
+        "hub_cluster_name": "east",
+        "hub_cluster_device_replicas": 3,
+        "hub_cluster_gateways": [west],
+    }
+    rendered = tmp_path / "hub.toml"
+    play = tmp_path / "render.yml"
+    play.write_text(
+        json.dumps(
+            [
+                {
+                    "hosts": "localhost",
+                    "connection": "local",
+                    "gather_facts": False,
+                    "vars_files": [str(REPO / "ansible/roles/hub/defaults/main.yml")],
+                    "tasks": [
+                        {
+                            "ansible.builtin.template": {
+                                "src": str(REPO / "ansible/roles/hub/templates/hub.toml.j2"),
+                                "dest": str(rendered),
+                            }
+                        }
+                    ],
+                }
+            ]
+        )
+    )
+    inventory = tmp_path / "inventory.ini"
+    inventory.write_text(
+        f"localhost ansible_connection=local ansible_python_interpreter={sys.executable}\n"
+    )
+    extra = tmp_path / "settings.json"
+    extra.write_text(json.dumps(settings))
+    run = playbook(str(play), inventory, "-e", f"@{extra}")
+    assert run.returncode == 0, run.stdout + run.stderr
+
+    cluster = load_hub_config(rendered).cluster
+    assert cluster is not None and cluster.name == "east"
+    assert cluster.device_replicas == 3
+    assert [(g.name, g.urls) for g in cluster.gateways] == [("west", tuple(west["urls"]))]
+    assert [n.gateway_listen for n in cluster.nodes] == [n["gateway_listen"] for n in nodes]
