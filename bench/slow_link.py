@@ -220,7 +220,7 @@ async def tcp_seconds(data: bytes, shape: Shape) -> float:
     """How long a plain bulk TCP copy of `data` takes through a proxy shaped `shape`: the
     physical limit a drain of the same bytes is compared with."""
     received = 0
-    done = asyncio.Event()
+    done, closed = asyncio.Event(), asyncio.Event()
 
     async def sink(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         nonlocal received
@@ -229,6 +229,7 @@ async def tcp_seconds(data: bytes, shape: Shape) -> float:
             if received >= len(data):
                 done.set()
         writer.close()
+        closed.set()
 
     server = await asyncio.start_server(sink, "127.0.0.1", 0)
     try:
@@ -240,6 +241,7 @@ async def tcp_seconds(data: bytes, shape: Shape) -> float:
             await asyncio.wait_for(done.wait(), timeout=1800)
             elapsed = time.monotonic() - start
             writer.close()
+            await closed.wait()  # the proxy's pipes end before the proxy closes
     finally:
         server.close()
     return elapsed
@@ -262,8 +264,8 @@ class ShapeRun:
             f"{off.utilization(self.shape):.2f}, tcp_ratio {self.tcp_raw_s / off.elapsed_s:.2f} "
             f"| s2_auto {on.elapsed_s:.1f}s, utilization {on.utilization(self.shape):.2f}, "
             f"goodput {on.goodput_ratio(self.shape):.2f}x, tcp_ratio "
-            f"{self.tcp_ratio:.2f} | command started in "
-            f"{max(off.command_start_s, on.command_start_s):.2f}s, lost {off.lost + on.lost}, "
+            f"{self.tcp_ratio:.2f} | command started in {off.command_start_s:.2f}s and "
+            f"{on.command_start_s:.2f}s, lost {off.lost + on.lost}, "
             f"duplicated {off.duplicated + on.duplicated}"
         )
 
