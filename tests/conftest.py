@@ -13,7 +13,7 @@ from hub_ingest.ingest.job import spark_session
 from tests.support.certs import Authority
 from tests.support.cluster import Hub, start_hub
 from tests.support.hubcluster import ClusterHub, start_cluster_hub
-from tests.support.leaks import kill, processes_mentioning
+from tests.support.leaks import EXIT_GRACE_S, kill, still_running_after
 from tests.support.releases import NEXT_VERSION, build_wheelhouse, release_wheel
 
 
@@ -26,7 +26,7 @@ def no_process_outlives_its_test(request: pytest.FixtureRequest) -> Iterator[Non
         return
     tmp_path: Path = request.getfixturevalue("tmp_path")
     yield
-    leaked = processes_mentioning(tmp_path)
+    leaked = still_running_after(tmp_path, EXIT_GRACE_S)
     kill(leaked)
     assert not leaked, f"left running: {leaked}"
 

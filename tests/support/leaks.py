@@ -8,7 +8,11 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import time
 from pathlib import Path
+
+# A process the test stopped may still be on its way out (a SIGTERM not waited for).
+EXIT_GRACE_S = 5.0
 
 
 def processes_mentioning(path: Path) -> dict[int, str]:
@@ -28,6 +32,18 @@ def processes_mentioning(path: Path) -> dict[int, str]:
 
 
 def kill(pids: dict[int, str]) -> None:
+    """SIGKILL each, with its process group when it leads one (its children go too)."""
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+            if os.getpgid(pid) == pid:
+                os.killpg(pid, signal.SIGKILL)
+            else:
+                os.kill(pid, signal.SIGKILL)
+
+
+def still_running_after(path: Path, grace: float) -> dict[int, str]:
+    """`processes_mentioning(path)` that have not exited within `grace` seconds."""
+    deadline = time.monotonic() + grace
+    while (found := processes_mentioning(path)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return found
