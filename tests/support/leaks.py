@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -17,7 +18,8 @@ EXIT_GRACE_S = 5.0
 
 def processes_mentioning(path: Path) -> dict[int, str]:
     """Running processes (not this one) whose command line names `path` or a file under it."""
-    needle = str(path).encode()
+    # The directory itself or a path under it, not a sibling that starts alike (test_x10).
+    needle = re.compile(re.escape(str(path).encode()) + rb"(/|\x00|$)")
     found: dict[int, str] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
@@ -26,7 +28,7 @@ def processes_mentioning(path: Path) -> dict[int, str]:
             cmdline = (entry / "cmdline").read_bytes()
         except OSError:
             continue  # gone meanwhile
-        if needle in cmdline:
+        if needle.search(cmdline):
             found[int(entry.name)] = cmdline.replace(b"\0", b" ").decode(errors="replace")
     return found
 
