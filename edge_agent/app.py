@@ -123,7 +123,7 @@ class Agent:
         self.shutdown = shutdown or asyncio.Event()
         self.island = Island(config, on_up=self._island_came_up)
         self.link = LinkTracker(config, self.island.monitor)
-        reload = self.island.reload if self.island.child_mode else None
+        reload = self._apply_link_mode if self.island.child_mode else None
         self.compression = LinkCompression(config, self.island.monitor, reload)
         self.ready = asyncio.Event()
         self.handlers = builtin_handlers() if handlers is None else handlers
@@ -144,6 +144,12 @@ class Agent:
         self._recancel: asyncio.Task[None] | None = None
 
     async def _island_came_up(self) -> None:
+        self._reconcile_needed.set()
+
+    async def _apply_link_mode(self) -> None:
+        """A new compression choice: the island reloads with it, and the hub's mirrors get the
+        window that goes with it (`edge_agent.island.streams.uplink_window`)."""
+        await self.island.reload()
         self._reconcile_needed.set()
 
     async def run(self) -> None:

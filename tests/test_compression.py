@@ -6,7 +6,10 @@ from __future__ import annotations
 import pytest
 
 from edge_agent.island.compression import OFF, ON, choose, link_mode
+from edge_agent.island.streams import UNCOMPRESSED_WINDOW
 from edge_agent.protocol.monitor import Monitor, go_duration
+from edge_agent.protocol.names import OUTBOUND
+from edge_agent.protocol.reconcile import MIRROR_WINDOW
 from hub_ingest.local.link import Shape
 from tests.support.cluster import Device, Hub
 from tests.support.waiting import RESUME_TIMEOUT, eventually
@@ -38,6 +41,15 @@ async def _compressed(device: Device) -> bool:
     return mode is not None and mode.startswith("s2")
 
 
+async def _uplink_windows(device: Device) -> set[int | None]:
+    """max_ack_pending of the consumers the hub's mirrors read the island's streams through."""
+    return {c.config.max_ack_pending for s in OUTBOUND for c in await device.js.consumers_info(s)}
+
+
+async def _has_windows(device: Device, windows: set[int | None]) -> bool:
+    return await _uplink_windows(device) == windows
+
+
 async def test_a_slow_link_is_compressed_and_a_fast_one_is_not(hub: Hub) -> None:
     slow = await hub.device("slow", start=False)
     slow.proxy.shape = Shape(rtt=0.05)
@@ -48,6 +60,11 @@ async def test_a_slow_link_is_compressed_and_a_fast_one_is_not(hub: Hub) -> None
     await fast.wait_link(up=True)
     assert await _leaf_compression(fast.monitor) == OFF
     assert link_mode(fast.config) == OFF
+    # The hub's mirrors get the window of the link's mode: the slow link's grew with the switch.
+    assert await _uplink_windows(fast) == {UNCOMPRESSED_WINDOW}
+    await eventually(
+        lambda: _has_windows(slow, {MIRROR_WINDOW}), timeout=30, what="the compressed window"
+    )
 
     # The choice outlives the agent: the island starts with it next time.
     await slow.stop()

@@ -37,6 +37,7 @@ from nats.js.api import (
 from nats.js.errors import APIError, NotFoundError
 
 from edge_agent.core.config import Config, StreamBudget
+from edge_agent.island.compression import OFF, link_mode
 from edge_agent.protocol.errors import StreamError
 from edge_agent.protocol.names import (
     COMMAND_MIRROR,
@@ -50,7 +51,12 @@ from edge_agent.protocol.names import (
     hub_deliver_subject,
     island_deliver_subject,
 )
-from edge_agent.protocol.reconcile import Reconciled, mirror_consumer, reconcile_stream
+from edge_agent.protocol.reconcile import (
+    MIRROR_WINDOW,
+    Reconciled,
+    mirror_consumer,
+    reconcile_stream,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -109,10 +115,27 @@ def desired_streams(
     ]
 
 
-def hub_consumer_config(device_id: str, stream: str, incarnation: str) -> ConsumerConfig:
+UNCOMPRESSED_WINDOW = 1_000  # nats-server's default max_ack_pending
+
+
+def uplink_window(config: Config) -> int:
+    """Deliveries the hub's mirrors may have in flight over this device's link.
+
+    Whatever else goes up the link (fast resume's reads of the hub's commands, status
+    requests) queues behind them. Compressed, a reading takes ~50 bytes of the link and
+    `MIRROR_WINDOW` pays (a command still started within 2.2 s on a 256 kbit/s link).
+    Uncompressed, it takes ~400: on that link a command waited 30 s behind 10,000 and 14 s
+    behind the server's default of 1,000, kept for uncompressed links."""
+    return MIRROR_WINDOW if link_mode(config) != OFF else UNCOMPRESSED_WINDOW
+
+
+def hub_consumer_config(config: Config, stream: str, incarnation: str) -> ConsumerConfig:
     """The consumer the hub's mirror of `stream` binds to, for this incarnation."""
     return mirror_consumer(
-        hub_consumer(incarnation), hub_deliver_subject(device_id, incarnation, stream), MANAGED_BY
+        hub_consumer(incarnation),
+        hub_deliver_subject(config.device_id, incarnation, stream),
+        MANAGED_BY,
+        uplink_window(config),
     )
 
 
@@ -164,7 +187,7 @@ async def reconcile(js: JetStreamContext, config: Config) -> list[Reconciled]:
             log.info("incarnation_started", incarnation=fresh, streams=new)
         results = [await reconcile_stream(js, want) for want in desired_streams(config, chosen)]
         for name, incarnation in chosen.items():
-            await js.add_consumer(name, hub_consumer_config(config.device_id, name, incarnation))
+            await js.add_consumer(name, hub_consumer_config(config, name, incarnation))
     except APIError as exc:
         raise StreamError(f"island streams: {exc.description} (code {exc.err_code})") from exc
     for result in results:

@@ -21,7 +21,8 @@ Change = Literal["created", "updated", "recreated", "unchanged"]
 # carried at most 1,000 messages per round trip plus the hub's fsyncs: 1,850 readings/s over
 # a compressed 2 Mbit/s, 100 ms link. 10,000 covers the bandwidth-delay product of a
 # compressed 10 Mbit/s LTE or 1 Mbit/s GEO link (3,300/s on the same link; 50,000 gained
-# nothing); the flow-control byte window (2-32 MiB) still bounds what is buffered.
+# nothing); the flow-control byte window (2-32 MiB) still bounds what is buffered. An
+# uncompressed link gets less (`edge_agent.island.streams.uplink_window`).
 MIRROR_WINDOW = 10_000
 
 
@@ -32,9 +33,12 @@ class Reconciled:
     fields: tuple[str, ...] = ()
 
 
-def mirror_consumer(name: str, deliver_subject: str, metadata: dict[str, str]) -> ConsumerConfig:
+def mirror_consumer(
+    name: str, deliver_subject: str, metadata: dict[str, str], window: int = MIRROR_WINDOW
+) -> ConsumerConfig:
     """The durable push consumer a mirror binds to (ADR-60 sourcing): the hub's mirrors of
-    device streams and the island's mirror of ``CMD_<id>`` read through one of these."""
+    device streams and the island's mirror of ``CMD_<id>`` read through one of these, with
+    `window` deliveries in flight at most."""
     return ConsumerConfig(
         durable_name=name,
         deliver_subject=deliver_subject,
@@ -45,7 +49,7 @@ def mirror_consumer(name: str, deliver_subject: str, metadata: dict[str, str]) -
         # What a mirror expects of its origin; nats-server sets 1 s on every consumer that
         # acknowledges by flow control, whatever is asked (checked: 5 s came back as 1 s).
         idle_heartbeat=1.0,
-        max_ack_pending=MIRROR_WINDOW,
+        max_ack_pending=window,
         metadata=metadata,
     )
 
