@@ -24,8 +24,10 @@ from nats.js.errors import (
     BucketNotFoundError,
     KeyNotFoundError,
     KeyWrongLastSequenceError,
+    NoStreamResponseError,
 )
 from nats.js.kv import KeyValue
+from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_exponential_jitter
 
 from edge_agent.protocol.names import js_api
 from edge_agent.protocol.units import utc_now_iso
@@ -142,6 +144,15 @@ class Registry:
         (shard,) = assign_shards(existing, 1, max_per_shard)
         return await self.create(Device(device_id, domain, shard, utc_now_iso(), nkey))
 
+    @retry(
+        # A registry bucket made a moment ago on a cluster may have no leader yet: the write
+        # gets no responders (seen right after a 3-node hub came up, on a loaded machine).
+        # No responder stored nothing, so asking again cannot register a device twice.
+        retry=retry_if_exception_type(NoStreamResponseError),
+        stop=stop_after_attempt(8),
+        wait=wait_exponential_jitter(multiplier=0.2, jitter=0.2, max=2.0),
+        reraise=True,
+    )
     async def create(self, device: Device) -> Device:
         """Store a new `device` as it is (see `assign_shards`); refused if its id is taken."""
         try:
