@@ -72,11 +72,19 @@ async def test_a_rolling_restart_of_every_hub_node_loses_nothing(
     assert outcome.faults["rolling_restart"] == 1, outcome.summary()
 
 
+async def _has_stream(hub: ClusterHub, name: str) -> bool:
+    return name in await stream_names(hub.js)
+
+
 async def test_a_devices_own_streams_take_no_raft_group(cluster_hub: ClusterHub) -> None:
     """Under R3 fleet-wide streams a device's mirrors and ``CMD_<id>`` have one replica (no
     Raft group: a cluster's cost per device stays flat); its island holds what they hold."""
     await cluster_hub.device("a", register_when_ready=True)
     mirror = await eventually(lambda: cluster_hub.mirror("a"), timeout=30, what="a's mirror")
+    # The registry names the incarnation before the watcher has provisioned its mirror.
+    await eventually(
+        lambda: _has_stream(cluster_hub, mirror), timeout=30, what="a's mirror provisioned"
+    )
     for name, replicas in ((mirror, 1), ("CMD_a", 1), ("FLEET_TELEMETRY", 3), ("COMMANDS", 3)):
         info = await cluster_hub.js.stream_info(name)
         assert info.config.num_replicas == replicas, name
