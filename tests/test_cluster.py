@@ -15,8 +15,9 @@ import pytest
 
 from edge_agent.protocol.names import ISLAND_CONSUMER
 from hub_ingest.fleet.auth import sync_users
-from hub_ingest.fleet.provision import provision, stream_names
+from hub_ingest.fleet.provision import provision
 from hub_ingest.fleet.registry import Device, Registry
+from hub_ingest.fleet.streams import stream_names
 from tests.chaos.runner import Chaos, Outcome
 from tests.chaos.schedule import Action
 from tests.support.hubcluster import ClusterHub, start_cluster_hub

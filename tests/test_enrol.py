@@ -18,8 +18,8 @@ from hub_ingest.core import failpoints
 from hub_ingest.core.errors import EnrolmentError
 from hub_ingest.fleet.auth import new_seed, public_key
 from hub_ingest.fleet.enrol import Enrolment, parse_line, read_enrolments, valid_public_key
-from hub_ingest.fleet.provision import stream_names
 from hub_ingest.fleet.registry import Registry
+from hub_ingest.fleet.streams import stream_names
 from hub_ingest.local.fleet import write_hub_toml
 from tests.support.cluster import Hub
 

@@ -17,8 +17,9 @@ from edge_agent.protocol.reconcile import reconcile_stream
 from hub_ingest.commands.send import new_envelope, send
 from hub_ingest.core.errors import RegistryError
 from hub_ingest.fleet.auth import ensure_operator_key, public_key
-from hub_ingest.fleet.provision import provision, stream_names, subjects_overlap
+from hub_ingest.fleet.provision import provision, subjects_overlap
 from hub_ingest.fleet.registry import Incarnation, Registry
+from hub_ingest.fleet.streams import stream_names
 from hub_ingest.local.fleet import write_hub_toml
 from tests.support.cluster import NATS_SERVER, Hub, run_cli, start_hub
 from tests.support.waiting import eventually

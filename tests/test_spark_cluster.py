@@ -20,7 +20,7 @@ from hub_ingest.archive import table
 from hub_ingest.archive.audit import audit_archive, backlog
 from hub_ingest.core import failpoints
 from hub_ingest.core.config import HubConfig
-from hub_ingest.fleet.provision import aggregate_stream_names
+from hub_ingest.fleet.streams import aggregate_stream_names
 from hub_ingest.local.fleet import write_hub_toml
 from tests.support.cluster import Device, Hub, start_hub
 from tests.support.ingest import ingest_config

@@ -44,9 +44,10 @@ from edge_agent.protocol.tomlconf import BY_RTT
 from hub_ingest.commands.send import new_envelope, send
 from hub_ingest.fleet.auth import ACCOUNT
 from hub_ingest.fleet.enrol import Enrolment, enrol_many
-from hub_ingest.fleet.provision import mirror_name, provision
+from hub_ingest.fleet.provision import provision
 from hub_ingest.fleet.registry import Device as Registered
 from hub_ingest.fleet.registry import Registry
+from hub_ingest.fleet.streams import mirror_name
 from hub_ingest.fleet.watch import device_incarnations, record
 from hub_ingest.local.fleet import free_port
 from tests.support.cluster import NATS_SERVER, Hub, _quiet

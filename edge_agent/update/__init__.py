@@ -7,5 +7,6 @@
   directory, ``current`` switched once it is complete and on disk, the restart, the health
   gate, and the switch back when the gate fails.
 
-Imports: `core`, `protocol`.
+Imports: `outbox` (reports as events), `island` (the link's state), `core`,
+`edge_agent.protocol`.
 """

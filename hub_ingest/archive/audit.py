@@ -30,7 +30,7 @@ from hub_ingest.archive import table
 from hub_ingest.commands.send import attribute
 from hub_ingest.core.config import IngestConfig
 from hub_ingest.fleet.gaps import Healed, Ranges, expand
-from hub_ingest.fleet.provision import AGGREGATES
+from hub_ingest.fleet.streams import AGGREGATES
 
 _HEARTBEAT = re.compile(r"^evt\.[^.]+\.heartbeat$")
 _KEY_COLUMNS = ["device_id", "incarnation", "hub_stream", "device_seq", "hub_seq"]

@@ -17,7 +17,7 @@ from hub_ingest.archive.table import location as table_location
 from hub_ingest.core.config import HubConfig
 from hub_ingest.core.connect import hub_connection
 from hub_ingest.fleet.gaps import healed
-from hub_ingest.fleet.provision import aggregate_stream_names
+from hub_ingest.fleet.streams import aggregate_stream_names
 
 
 def register(sub: Any) -> None:

@@ -18,8 +18,8 @@ from edge_agent.protocol.units import parse_duration
 from hub_ingest.cli.args import duration
 from hub_ingest.core.config import HubConfig
 from hub_ingest.core.connect import hub_connection
-from hub_ingest.fleet.provision import AGGREGATES
 from hub_ingest.fleet.registry import Registry
+from hub_ingest.fleet.streams import AGGREGATES
 from hub_ingest.report.collect import collect_report
 from hub_ingest.report.html import render_html
 from hub_ingest.report.metrics import render_prometheus

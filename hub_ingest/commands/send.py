@@ -31,8 +31,8 @@ from edge_agent.protocol.names import HUB_COMMANDS
 from hub_ingest.commands.attribution import Attribution, attribute
 from hub_ingest.commands.index import RESULT_FILTER, CommandIndex, IndexedCommand
 from hub_ingest.core.errors import HubIngestError
-from hub_ingest.fleet.provision import AGGREGATES
 from hub_ingest.fleet.registry import Device
+from hub_ingest.fleet.streams import AGGREGATES
 
 # Re-exported: the hub's command API in one import.
 __all__ = [

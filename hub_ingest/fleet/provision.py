@@ -23,7 +23,6 @@ import contextlib
 import dataclasses
 import json
 from collections.abc import Collection, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -60,39 +59,26 @@ from hub_ingest.core.config import HubConfig
 from hub_ingest.core.errors import ProvisionError
 from hub_ingest.fleet.gaps import REFILL_STREAM, Target, refill_source, refill_stream
 from hub_ingest.fleet.registry import BUCKET, Device, Incarnation, Registry
+from hub_ingest.fleet.streams import (
+    AGGREGATES,
+    MANAGED_BY,
+    Aggregate,
+    mirror_name,
+    shard_of,
+    stream_names,
+)
 
 log = structlog.get_logger(__name__)
 
-MANAGED_BY = {"managed-by": "hub-ingest"}
-# Subjects the fleet's streams carry (devices' `tele.>` and `evt.>`, the aggregates' `fleet.>`,
-# commands) and the deliveries of mirrors across the link (`names.to_hub_prefix`,
-# `to_device_prefix`). Another stream listening on any of them would store fleet messages a
-# second time, or take them from the streams that should have them.
 _ROUNDS = 5  # of provisioning, while the registry changes under it
 REGISTRY_STREAM = bucket_stream(BUCKET)
 INDEX_STREAM = bucket_stream(COMMAND_INDEX)
 GAPS_STREAM = bucket_stream(GAPS)
+# Subjects the fleet's streams carry (devices' `tele.>` and `evt.>`, the aggregates' `fleet.>`,
+# commands) and the deliveries of mirrors across the link (`names.to_hub_prefix`,
+# `to_device_prefix`). Another stream listening on any of them would store fleet messages a
+# second time, or take them from the streams that should have them.
 FLEET_SUBJECTS = ("cmd.>", "fleet.>", "tele.>", "evt.>", "hubin.>", "devin.>", "refill.>")
-
-
-@dataclass(frozen=True, slots=True)
-class Aggregate:
-    """One kind of device stream and the hub streams that collect it."""
-
-    base_name: str  # FLEET_TELEMETRY
-    device_stream: str  # TELEMETRY
-    prefix: str  # tele
-
-    def stream_name(self, shard: int) -> str:
-        return self.base_name if shard == 0 else f"{self.base_name}_{shard + 1}"
-
-    def subject_prefix(self, device_id: str) -> str:
-        return f"fleet.{device_id}.{self.prefix}"
-
-
-def mirror_name(device_id: str, incarnation: Incarnation) -> str:
-    """The hub's mirror of one incarnation of a device stream (``EDGE_TELEMETRY_a_<id>``)."""
-    return f"EDGE_{incarnation.stream}_{device_id}_{incarnation.id}"
 
 
 def mirror_metadata(device_id: str, incarnation: Incarnation) -> dict[str, str]:
@@ -103,12 +89,6 @@ def mirror_metadata(device_id: str, incarnation: Incarnation) -> dict[str, str]:
         "device-stream": incarnation.stream,
         "incarnation": incarnation.id,
     }
-
-
-AGGREGATES = (
-    Aggregate("FLEET_TELEMETRY", "TELEMETRY", "tele"),
-    Aggregate("FLEET_EVENTS", "EVENTS", "evt"),
-)
 
 
 def device_mirror(config: HubConfig, device: Device, incarnation: Incarnation) -> StreamConfig:
@@ -278,30 +258,6 @@ async def _bucket_replicas(js: JetStreamContext, stream: str, replicas: int) -> 
     return Reconciled(stream, "updated", ("num_replicas",))
 
 
-async def stream_names(js: JetStreamContext) -> list[str]:
-    """Every stream name in the domain, sorted (the listing API is paged, and a stream
-    created between two pages shifts the second one: a name may come twice)."""
-    names: list[str] = []
-    while page := await js.streams_info(offset=len(names)):
-        names.extend(info.config.name or "" for info in page)
-    return sorted(set(names))
-
-
-async def aggregate_stream_names(js: JetStreamContext) -> list[str]:
-    """Every aggregate stream (all shards), sorted."""
-    return sorted(name for name in await stream_names(js) if _shard_of(name))
-
-
-def _shard_of(name: str) -> list[int]:
-    for aggregate in AGGREGATES:
-        if name == aggregate.base_name:
-            return [0]
-        suffix = name.removeprefix(f"{aggregate.base_name}_")
-        if suffix != name and suffix.isdigit() and int(suffix) >= 2:
-            return [int(suffix) - 1]
-    return []
-
-
 def subjects_overlap(a: str, b: str) -> bool:
     """Whether some subject matches both patterns (``*`` is one token, ``>`` one or more)."""
     left, right = a.split("."), b.split(".")
@@ -318,7 +274,7 @@ def _ours(name: str) -> bool:
     return (
         name in (HUB_COMMANDS, REFILL_STREAM)
         or name.startswith(("CMD_", "EDGE_"))
-        or bool(_shard_of(name))
+        or bool(shard_of(name))
     )
 
 
@@ -426,13 +382,13 @@ async def _provision_once(
     touched = devices if only is None else [d for d in devices if d.device_id in only]
     if only is None:
         # Shards whose last device was removed still exist and must stop sourcing it.
-        shards = {shard for name in await stream_names(js) for shard in _shard_of(name)}
+        shards = {shard for name in await stream_names(js) for shard in shard_of(name)}
         aggregates = aggregate_streams(config, devices, shards)
     else:
         wanted = {d.shard for d in touched} | {0}
         in_shards = [d for d in devices if d.shard in wanted]
         aggregates = [
-            a for a in aggregate_streams(config, in_shards) if _shard_of(a.name or "")[0] in wanted
+            a for a in aggregate_streams(config, in_shards) if shard_of(a.name or "")[0] in wanted
         ]
     mirrors = [m for d in touched for m in device_mirrors(config, d)]
     try:

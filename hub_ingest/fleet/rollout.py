@@ -46,9 +46,9 @@ from edge_agent.protocol.release import (
 from edge_agent.protocol.units import utc_now_iso
 from hub_ingest.core.config import HubConfig
 from hub_ingest.core.errors import RegistryError, RolloutError
-from hub_ingest.fleet.provision import AGGREGATES
 from hub_ingest.fleet.registry import Device, Registry
 from hub_ingest.fleet.releases import get_record, rollout_bucket
+from hub_ingest.fleet.streams import AGGREGATES
 
 log = structlog.get_logger(__name__)
 

@@ -54,7 +54,7 @@ from hub_ingest.archive.table import PARTITION_COLUMN, is_local
 from hub_ingest.core.config import HubConfig
 from hub_ingest.core.connect import hub_connection
 from hub_ingest.core.errors import ConfigError, DataLossError, IngestError
-from hub_ingest.fleet.provision import aggregate_stream_names
+from hub_ingest.fleet.streams import aggregate_stream_names
 from hub_ingest.ingest.durability import SyncedBatches, repair
 from hub_ingest.ingest.sink import BatchCommit, TableSink, ensure_table, remove_unfinished
 from hub_ingest.ingest.source import FORMAT, SCHEMA, JetStreamDataSource

@@ -39,8 +39,8 @@ from hub_ingest.commands.attribution import Attribution, attribute
 from hub_ingest.commands.index import CommandIndex, Tally, json_object, read_range
 from hub_ingest.core.config import HubConfig
 from hub_ingest.fleet.gaps import MirrorGaps, read_gaps
-from hub_ingest.fleet.provision import AGGREGATES, mirror_name
 from hub_ingest.fleet.registry import Device
+from hub_ingest.fleet.streams import AGGREGATES, mirror_name
 from hub_ingest.report.hub import OFFLINE, HubApi, linked_leaves, monitor_urls
 from hub_ingest.report.model import (
     CommandCounts,

@@ -28,8 +28,9 @@ from edge_agent.protocol.monitor import Monitor
 from edge_agent.protocol.natsserver import resolve_nats_server
 from edge_agent.protocol.tomlconf import format_sync
 from hub_ingest.fleet.enrol import enrol
-from hub_ingest.fleet.provision import mirror_name, provision, provision_commands
+from hub_ingest.fleet.provision import provision, provision_commands
 from hub_ingest.fleet.registry import Registry
+from hub_ingest.fleet.streams import mirror_name
 from hub_ingest.fleet.watch import observe, watch
 from hub_ingest.local.fleet import LocalHub, free_port, start_local_hub, stream_messages
 from hub_ingest.local.link import LinkProxy

@@ -17,8 +17,8 @@ from edge_agent.protocol.monitor import Monitor
 from edge_agent.protocol.natsserver import ServerProcess
 from hub_ingest.core.config import HubConfig, parse_hub_config
 from hub_ingest.fleet.auth import write_auth
-from hub_ingest.fleet.provision import stream_names
 from hub_ingest.fleet.server import SERVER_ENV, render_server_config
+from hub_ingest.fleet.streams import stream_names
 from hub_ingest.fleet.watch import watch
 from hub_ingest.local.fleet import admin_connection, free_port
 from tests.support.cluster import Hub, provisioned

@@ -1,0 +1,66 @@
+"""The hub's fleet streams by name: the aggregates (``FLEET_TELEMETRY``, ``FLEET_EVENTS`` and
+their shards), the device mirrors (``EDGE_<stream>_<id>_<incarnation>``), the mark on every
+stream hub-ingest made, and the listing of what the hub holds. `provision` creates them; the
+ingest, the report, the audit and the commands only need their names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nats.js import JetStreamContext
+
+from hub_ingest.fleet.registry import Incarnation
+
+MANAGED_BY = {"managed-by": "hub-ingest"}
+
+
+@dataclass(frozen=True, slots=True)
+class Aggregate:
+    """One kind of device stream and the hub streams that collect it."""
+
+    base_name: str  # FLEET_TELEMETRY
+    device_stream: str  # TELEMETRY
+    prefix: str  # tele
+
+    def stream_name(self, shard: int) -> str:
+        return self.base_name if shard == 0 else f"{self.base_name}_{shard + 1}"
+
+    def subject_prefix(self, device_id: str) -> str:
+        return f"fleet.{device_id}.{self.prefix}"
+
+
+def mirror_name(device_id: str, incarnation: Incarnation) -> str:
+    """The hub's mirror of one incarnation of a device stream (``EDGE_TELEMETRY_a_<id>``)."""
+    return f"EDGE_{incarnation.stream}_{device_id}_{incarnation.id}"
+
+
+AGGREGATES = (
+    Aggregate("FLEET_TELEMETRY", "TELEMETRY", "tele"),
+    Aggregate("FLEET_EVENTS", "EVENTS", "evt"),
+)
+
+
+async def stream_names(js: JetStreamContext) -> list[str]:
+    """Every stream name in the domain, sorted (the listing API is paged, and a stream
+    created between two pages shifts the second one: a name may come twice)."""
+    names: list[str] = []
+    while page := await js.streams_info(offset=len(names)):
+        names.extend(info.config.name or "" for info in page)
+    return sorted(set(names))
+
+
+async def aggregate_stream_names(js: JetStreamContext) -> list[str]:
+    """Every aggregate stream (all shards), sorted."""
+    return sorted(name for name in await stream_names(js) if shard_of(name))
+
+
+def shard_of(name: str) -> list[int]:
+    """The shard an aggregate stream holds (`[0]` for the first), or `[]` for another stream."""
+    for aggregate in AGGREGATES:
+        if name == aggregate.base_name:
+            return [0]
+        suffix = name.removeprefix(f"{aggregate.base_name}_")
+        if suffix != name and suffix.isdigit() and int(suffix) >= 2:
+            return [int(suffix) - 1]
+    return []
