@@ -63,6 +63,22 @@ async def test_hub_nodes_killed_while_devices_publish_lose_nothing(
 
 
 @pytest.mark.timeout(600)
+async def test_nodes_that_lost_their_disk_lose_nothing(
+    cluster_hub: ClusterHub, tmp_path: Path
+) -> None:
+    """The node holding ``CMD_a``, then the one holding a's telemetry mirror (one replica
+    each), is SIGKILLed and comes back 3 s later with an empty store, as after a disk
+    replacement: the engine makes the streams again from the cluster's records, and every
+    reading reaches the hub once and every command sent to a before, between and after runs
+    once."""
+    wipes = [Action(8.0, "node_wipe", "a:commands", 3.0)]
+    wipes.append(Action(18.0, "node_wipe", "a:telemetry", 3.0))
+    outcome = await _run(cluster_hub, tmp_path, wipes)
+    outcome.assert_exact()
+    assert outcome.faults["node_wipe"] == 2, outcome.summary()
+
+
+@pytest.mark.timeout(600)
 async def test_a_rolling_restart_of_every_hub_node_loses_nothing(
     cluster_hub: ClusterHub, tmp_path: Path
 ) -> None:

@@ -10,6 +10,8 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+from nats.js import JetStreamContext
+
 from edge_agent.commands.handlers import HandlerContext, builtin_handlers
 from edge_agent.status.health import collect_status
 from hub_ingest.local.fleet import write_hub_toml
@@ -222,3 +224,46 @@ async def test_send_wait_prints_results_from_every_device(hub: Hub, tmp_path: Pa
     assert "rejected" in failing.stdout
     same = await _hub_cli(hub, tmp_path, "command", "status", failing.stdout.split()[0])
     assert same.returncode == 1 and "rejected" in same.stdout  # the same exit rule
+
+
+async def test_a_command_stream_made_again_at_the_hub_still_reaches_the_device(
+    hub: Hub, tmp_path: Path
+) -> None:
+    """``CMD_a`` deleted and made again by ``provision`` (as after a hub node lost its disk)
+    once ``COMMANDS`` has dropped older commands: the new stream numbers what is left from 1,
+    below what the island's mirror has seen, so the mirror would ignore the next commands.
+    The agent notices when its link comes up, makes its mirror again, and the next command
+    runs; none of the earlier ones runs twice."""
+    counter = counter_program(tmp_path)
+    ran = tmp_path / "runs"
+    a = await hub.device(
+        "a", sections={"commands": {"exec_allow": [[*counter, "*"]]}}, register_when_ready=True
+    )
+
+    async def run_one() -> None:
+        argv = [*counter, str(ran), "0"]
+        envelope = await send_command(hub, "a", "exec", {"argv": argv})
+        await _result(a, envelope.id)
+
+    for _ in range(3):
+        await run_one()
+    await hub.js.purge_stream("COMMANDS")  # as if the first three had expired
+    await run_one()  # the only command `CMD_a` made again will hold, at its sequence 1
+    assert (await a.js.stream_info("COMMANDS")).state.last_seq == 4
+    await hub.js.delete_stream("CMD_a")
+    await hub.register("a")
+    await eventually(lambda: _last_seq(hub.js, "CMD_a", 1), timeout=30, what="CMD_a refilled")
+    assert a.agent is not None
+    a.proxy.cut()
+    await asyncio.wait_for(a.agent.link.is_down.wait(), 30)  # the agent saw it go
+    a.proxy.restore()
+    await run_one()  # `CMD_a`'s sequence 2: invisible to the old mirror, whose last is 4
+    assert runs(ran) == 5
+    # The mirror made again holds what CMD_a holds, and hands none of it to run a second time.
+    await eventually(lambda: _last_seq(a.js, "COMMANDS", 2), timeout=60, what="mirror made again")
+    await eventually(lambda: _ledger_idle(a), timeout=30, what="the new mirror consumed")
+    assert runs(ran) == 5
+
+
+async def _last_seq(js: JetStreamContext, stream: str, seq: int) -> bool:
+    return (await js.stream_info(stream)).state.last_seq == seq

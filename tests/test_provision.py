@@ -312,3 +312,12 @@ async def test_a_stream_is_reconciled_across_a_server_that_stops_answering_for_a
         os.kill(pid, signal.SIGCONT)
     assert result.change == "created"
     assert (await hub.js.stream_info("PAUSED")).config.subjects == ["paused.>"]
+
+
+async def test_commands_kept_shorter_than_the_dedup_window_still_provision(hub: Hub) -> None:
+    """``commands.max_age`` under ten minutes: ``COMMANDS``' duplicate window shrinks to it
+    (the server refuses a window longer than the stream keeps messages)."""
+    short = replace(hub.config, commands=replace(hub.config.commands, max_age=60.0))
+    await provision(hub.js, short, [])
+    config = (await hub.js.stream_info("COMMANDS")).config
+    assert (config.max_age, config.duplicate_window) == (60.0, 60.0)

@@ -14,6 +14,8 @@ copy of each command a no-op, so a command still runs at most once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -24,6 +26,7 @@ from nats.js.api import RawStreamMsg
 from nats.js.errors import APIError, NotFoundError
 
 from edge_agent.commands.executor import Executor
+from edge_agent.commands.origin import rebuild_mirror, replaced_origin
 from edge_agent.commands.parse import Incoming
 from edge_agent.core.config import Config
 from edge_agent.island.link import LinkTracker
@@ -33,6 +36,7 @@ log = structlog.get_logger(__name__)
 
 # A mirror that heard from the hub this recently is live (it gets heartbeats every second).
 MIRROR_LIVE_S = 2.0
+ORIGIN_CHECK_S = 30.0  # between checks that the origin was not replaced, while linked
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +46,7 @@ class ResumeFigures:
     resumes: int
     last_duration_s: float | None
     last_commands: int
+    mirror_rebuilds: int = 0  # the origin was replaced (`edge_agent.commands.origin`)
 
 
 class FastResume:
@@ -55,8 +60,11 @@ class FastResume:
         *,
         poll_interval: float = 0.25,
         settle: float = 3.0,
+        origin_check: float = ORIGIN_CHECK_S,
     ) -> None:
+        self._config = config
         self._origin = command_stream(config.device_id)
+        self._origin_check = origin_check
         self._island = island
         self._hub = hub
         self._link = link
@@ -74,11 +82,18 @@ class FastResume:
         while not self._executor.stopping:
             await self._link.is_up.wait()
             await self.catch_up()
-            await self._link.is_down.wait()
+            # A hub node can lose the origin while this device's link (to another node)
+            # stays up: look again every so often, not only when the link comes back.
+            while not self._link.is_down.is_set() and not self._executor.stopping:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._link.is_down.wait(), self._origin_check)
+                if not self._link.is_down.is_set() and await self._origin_replaced():
+                    await self.catch_up()
 
     async def catch_up(self) -> int:
         """Run what the hub has beyond the mirror, until the mirror is live; how many ran."""
         started = time.monotonic()
+        await self._origin_replaced()
         cursor = await self._mirror_last_seq()
         if self._fenced_unread and await self._executor.fence() > 0:
             # A re-imaged device's fresh mirror starts where its previous incarnation's
@@ -110,8 +125,26 @@ class FastResume:
             self._fenced_unread = False
         duration = round(time.monotonic() - started, 3)
         log.info("fast_resume_done", commands=ran, cursor=cursor, duration_s=duration)
-        self.figures = ResumeFigures(self.figures.resumes + 1, duration, ran)
+        self.figures = ResumeFigures(
+            self.figures.resumes + 1, duration, ran, self.figures.mirror_rebuilds
+        )
         return ran
+
+    async def _origin_replaced(self) -> bool:
+        """Check that the origin is the one the mirror copied, and make the mirror again if
+        it is not (`edge_agent.commands.origin`); whether it was made again."""
+        try:
+            replaced = await replaced_origin(self._island, self._hub, self._origin)
+            if replaced is None:
+                return False
+            await rebuild_mirror(self._island, self._hub, self._config, replaced)
+        except (nats.errors.Error, APIError, TimeoutError) as exc:
+            log.debug("command_origin_unchecked", error=repr(exc))
+            return False
+        self.figures = dataclasses.replace(
+            self.figures, mirror_rebuilds=self.figures.mirror_rebuilds + 1
+        )
+        return True
 
     async def _next(self, cursor: int) -> RawStreamMsg | None:
         """The first command after `cursor` in the mirror's origin, if there is one."""

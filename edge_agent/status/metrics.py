@@ -69,6 +69,11 @@ def registry_for(status: Status, resume: ResumeFigures | None = None) -> Collect
                 "commands the last fast resume ran",
                 resume.last_commands if ran else None,
             ),
+            (
+                "edge_agent_command_mirror_rebuilds",
+                "times the command mirror was made again: its hub origin had been replaced",
+                resume.mirror_rebuilds,
+            ),
         ]
     for name, doc, value in figures:
         if value is not None:

@@ -71,6 +71,7 @@ from hub_ingest.fleet.streams import (
 log = structlog.get_logger(__name__)
 
 _ROUNDS = 5  # of provisioning, while the registry changes under it
+COMMAND_DEDUP_WINDOW = 600.0  # seconds
 REGISTRY_STREAM = bucket_stream(BUCKET)
 INDEX_STREAM = bucket_stream(COMMAND_INDEX)
 GAPS_STREAM = bucket_stream(GAPS)
@@ -205,8 +206,9 @@ def commands_stream(config: HubConfig) -> StreamConfig:
         discard=DiscardPolicy.OLD,
         max_age=config.commands.max_age,
         max_bytes=config.commands.max_bytes,
-        # Long enough for `command send` retries to be de-duplicated by Nats-Msg-Id.
-        duplicate_window=600.0,
+        # Long enough for `command send` retries to be de-duplicated by Nats-Msg-Id; the
+        # server refuses a window longer than the stream keeps messages.
+        duplicate_window=min(COMMAND_DEDUP_WINDOW, config.commands.max_age or COMMAND_DEDUP_WINDOW),
         allow_direct=True,
         metadata=MANAGED_BY,
         num_replicas=config.replicas,

@@ -28,7 +28,7 @@ from nats.js.errors import APIError
 
 from edge_agent.island.server import pid_file
 from edge_agent.island.streams import incarnations
-from edge_agent.protocol.names import TELEMETRY, hub_consumer
+from edge_agent.protocol.names import TELEMETRY, command_stream, hub_consumer
 from edge_agent.status.health import collect_status
 from hub_ingest.commands.send import Envelope, new_envelope, send
 from hub_ingest.fleet.gaps import REFILL_HEADER
@@ -134,6 +134,7 @@ class Outcome:
     archive_duplicates: int = 0
     reports: int = 0  # fleet reports that listed every device, taken while a hub node was down
     refilled: int = 0  # readings the hub's mirrors skipped, refilled from the islands
+    mirror_rebuilds: int = 0  # island command mirrors made again: their hub origin was replaced
 
     def assert_exact(self) -> None:
         """The chaos suite's promise: the hub has every reading the app had a PubAck for, once
@@ -153,6 +154,7 @@ class Outcome:
             f"expected_runs={self.expected_runs} ran={self.runs} ran_twice={self.double_runs} "
             f"results={self.results} missing_results={self.missing_results} "
             f"reports_with_a_node_down={self.reports} refilled={self.refilled} "
+            f"command_mirror_rebuilds={self.mirror_rebuilds} "
             f"duplicate_results={self.extra_results} wall={self.wall_s:.0f}s "
             f"(replay: CHAOS_SEED={self.seed})"
         )
@@ -233,7 +235,7 @@ class Chaos:
             await self.hub.restart()
             self.outcome.faults[action.kind] += 1
             return
-        if action.kind in ("node_kill", "rolling_restart"):
+        if action.kind in ("node_kill", "node_wipe", "rolling_restart"):
             await self._hub_node_fault(action)
             return
         node = self.nodes[action.target]
@@ -276,10 +278,22 @@ class Chaos:
             await asyncio.sleep(max(0.0, back_at - time.monotonic()))  # the node stays dead
             await hub.start(node)
             return
+        if action.kind == "node_wipe":
+            await hub.wipe(await self._holder(action.target), down_for=action.duration)
+            return
         for node in NODES:
             await hub.stop(node)
             await hub.start(node)
             await eventually(hub.current, timeout=120, interval=0.5, what=f"{node} current")
+
+    async def _holder(self, target: str) -> str:
+        """The node holding one of a device's own streams (one replica each): `target` is
+        ``<device>:commands`` (its ``CMD_<id>``) or ``<device>:telemetry`` (its mirror)."""
+        device, stream = target.split(":")
+        name = command_stream(device) if stream == "commands" else await self.hub.mirror(device)
+        cluster = (await self.hub.js.stream_info(name)).cluster
+        assert cluster is not None and cluster.leader is not None
+        return cluster.leader
 
     async def _report(self) -> bool:
         """The fleet report, as `hub-ingest report` makes it: it must list every device, each
@@ -377,7 +391,10 @@ class Chaos:
             out.refilled += len(refilled)
             # The mirror keeps the device's sequence; what it skipped was refilled.
             mirrored = [(m.metadata.sequence.stream, int(m.data)) for m in mirror]
-            out.losses += len(set(want) - {n for _, n in mirrored} - refilled)
+            # A mirror made again (its node lost its disk) starts where the island's consumer
+            # stood: what came before is in the aggregate, checked above.
+            first = mirrored[0][0] if mirrored else 1
+            out.losses += len({n for n in want if n >= first} - {n for _, n in mirrored} - refilled)
             out.out_of_order += sum(1 for seq, n in mirrored if seq != n)
         expected = self._expected_runs()
         results = Counter(await self._results())
@@ -389,6 +406,11 @@ class Chaos:
         out.results = sum(results.values())
         out.missing_results = len(expected - set(results))
         out.extra_results = sum(count - 1 for count in results.values() if count > 1)
+        out.mirror_rebuilds = sum(
+            len(p.events("command_mirror_rebuilt"))
+            for n in self.nodes.values()
+            for p in n.processes
+        )
 
 
 async def _skip_stored(node: Node) -> bool:

@@ -15,11 +15,12 @@ DEFAULT_SEED = 3  # a schedule with every kind of fault, 3 hub restarts among th
 SKIP_EVERY = 3  # every third cut makes the hub's mirror skip, and the refill heal it
 
 Kind = Literal[
-    "cut", "skip", "agent_kill", "island_kill", "hub_restart", "node_kill", "rolling_restart",
-    "command",
+    "cut", "skip", "agent_kill", "island_kill", "hub_restart", "node_kill", "node_wipe",
+    "rolling_restart", "command",
 ]  # fmt: skip
 FAULTS: tuple[Kind, ...] = (
-    "cut", "skip", "agent_kill", "island_kill", "hub_restart", "node_kill", "rolling_restart"
+    "cut", "skip", "agent_kill", "island_kill", "hub_restart", "node_kill", "node_wipe",
+    "rolling_restart",
 )  # fmt: skip
 # Relative weights: cuts are what devices see most; hub restarts are rare and slow to heal.
 _WEIGHTS: dict[Kind, float] = {
@@ -37,7 +38,9 @@ _CLUSTER_WEIGHTS: dict[Kind, float] = {**_WEIGHTS, "hub_restart": 0.0, "node_kil
 class Action:
     at: float  # seconds after the chaos phase starts
     kind: Kind
-    target: str  # a device id; "hub" for hub restarts; a device id or "all" for commands
+    # A device id; "hub" for hub restarts; for a node kill, a node or "leader"; for a node
+    # wipe, "<device>:commands" or "<device>:telemetry", the node holding that device stream.
+    target: str
     duration: float  # how long the fault lasts (link down, agent dead); 0 for the rest
 
     @property

@@ -9,6 +9,7 @@ moves to another node when its node dies.
 from __future__ import annotations
 
 import asyncio
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -95,6 +96,17 @@ class ClusterHub(Hub):
     async def kill(self, node: str) -> None:
         """SIGKILL one node."""
         self.nodes[node].kill()
+
+    async def wipe(self, node: str, *, down_for: float) -> None:
+        """SIGKILL one node and start it `down_for` seconds later with an empty store, as
+        after its disk was replaced: its replicas of R3 streams come back from the others,
+        its one-replica streams come back empty (the engine makes them again from the
+        cluster's records)."""
+        await self.kill(node)
+        assert self.config.cluster is not None
+        shutil.rmtree(self.config.for_node(node).server.store_dir)
+        await asyncio.sleep(down_for)  # how long the node stays away
+        await self.start(node)
 
     async def start(self, node: str) -> None:
         await self.nodes[node].start(timeout=60)
