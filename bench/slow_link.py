@@ -12,6 +12,7 @@ result in the island's ``EVENTS``) within seconds, not after the backlog.
 
     .venv/bin/python bench/slow_link.py [--shape lte|rural|geo|all] [--readings N]
     .venv/bin/python bench/slow_link.py --day     # 86,400 readings, LTE, to the archive too
+    .venv/bin/python bench/slow_link.py --pack 32 # 32 readings a message: what packing gives
 
 Shapes: ``lte`` 100 ms, 2 Mbit/s, 1 % loss; ``rural`` 300 ms, 256 kbit/s, 5 %; ``geo``
 (geostationary satellite) 600 ms, 1 Mbit/s, 1 %.
@@ -97,10 +98,15 @@ def reading(i: int) -> bytes:
     return json.dumps(body).encode().ljust(READING_BYTES)
 
 
-async def _fill(device: Device, readings: int) -> int:
+async def _fill(device: Device, readings: int, pack: int = 1) -> int:
+    """Publish `readings` to the island, `pack` to a message (newline-joined); their bytes."""
     payload = 0
-    for start in range(0, readings, 500):
-        batch = [reading(i) for i in range(start, min(start + 500, readings))]
+    messages = readings // pack
+    for start in range(0, messages, 500):
+        batch = [
+            b"\n".join(reading(m * pack + k) for k in range(pack))
+            for m in range(start, min(start + 500, messages))
+        ]
         await asyncio.gather(*(device.js.publish(SUBJECT, b) for b in batch))
         payload += sum(len(b) for b in batch)
     return payload
@@ -137,10 +143,14 @@ async def drain(
     *,
     cuts: int = 0,
     spark: SparkSession | None = None,
+    pack: int = 1,
 ) -> Drain:
     """Fill a device while cut, restore a link shaped `shape`, time the drain (with `cuts`
     extra cuts during it) and check every reading reached the hub once; with `spark`, the
-    ingest runs meanwhile and the time until the archive has every reading is taken too."""
+    ingest runs meanwhile and the time until the archive has every reading is taken too.
+    With `pack` > 1 each message carries that many readings (an experiment: the archive does
+    not split such messages into rows, so it is not used with `spark`)."""
+    messages = readings // pack
     hub = await start_hub(root, leaf_compression=compression)
     stop_ingest = threading.Event()
     ingesting: asyncio.Future[object] | None = None
@@ -155,7 +165,7 @@ async def drain(
         await eventually(lambda: mirror_live(hub.js, mirror), timeout=RESUME_TIMEOUT)
         device.proxy.cut()
         await device.wait_link(up=False)
-        payload = await _fill(device, readings)
+        payload = await _fill(device, readings, pack)
         device.proxy.shape = shape
         device.proxy.bytes_up = 0
         if spark is not None:
@@ -165,17 +175,17 @@ async def drain(
         start = time.monotonic()
         device.proxy.restore()
         command_s = -1.0
-        cut_at = [readings * (k + 1) // (cuts + 2) for k in range(cuts)]
+        cut_at = [messages * (k + 1) // (cuts + 2) for k in range(cuts)]
         while True:
             stored, last, at_hub = await _counts(hub, device)
-            if command_s < 0 and stored >= readings // 2:
+            if command_s < 0 and stored >= messages // 2:
                 command_s = await _command_start(hub, device)
             if cut_at and stored >= cut_at[0]:
                 cut_at.pop(0)
                 device.proxy.cut()
                 await device.wait_link(up=False)
                 device.proxy.restore()
-            if at_hub >= readings and last >= readings:
+            if at_hub >= messages and last >= messages:
                 break
             if time.monotonic() - start > 1800:
                 break
@@ -198,8 +208,8 @@ async def drain(
             device.proxy.bytes_up,
             command_s,
             at_hub,
-            lost=max(0, readings - min(stored, at_hub)),
-            duplicated=max(0, at_hub - readings) + max(0, last - readings),
+            lost=max(0, messages - min(stored, at_hub)) * pack,
+            duplicated=(max(0, at_hub - messages) + max(0, last - messages)) * pack,
             archive_s=archive_s,
         )
     finally:
@@ -275,14 +285,14 @@ class ShapeRun:
         return self.tcp_compressed_s / self.compressed.elapsed_s
 
 
-async def run_shape(name: str, shape: Shape, readings: int) -> ShapeRun:
+async def run_shape(name: str, shape: Shape, readings: int, pack: int = 1) -> ShapeRun:
     data = b"".join(reading(i) for i in range(readings))
     tcp_raw = await tcp_seconds(data, shape)
     tcp_compressed = await tcp_seconds(bytes(cramjam.snappy.compress(data)), shape)
     drains = []
     for compression in ("off", "s2_auto"):
         with tempfile.TemporaryDirectory(prefix="slow-link-") as tmp:
-            drains.append(await drain(Path(tmp), readings, shape, compression))
+            drains.append(await drain(Path(tmp), readings, shape, compression, pack=pack))
     run = ShapeRun(name, shape, tcp_raw, tcp_compressed, *drains)
     print(run.line(), flush=True)
     return run
@@ -306,14 +316,16 @@ async def day() -> Drain:
     return run
 
 
-async def main(shapes: list[str], readings: int | None, seconds: float, with_day: bool) -> None:
+async def main(
+    shapes: list[str], readings: int | None, seconds: float, with_day: bool, pack: int
+) -> None:
     configure_logging("warning")
     whole_day = await day() if with_day else None
     runs = []
     for name in shapes:
         shape = SHAPES[name]
         count = readings or int(shape.rate * seconds / READING_BYTES)
-        runs.append(await run_shape(name, shape, count))
+        runs.append(await run_shape(name, shape, count // pack * pack, pack))
     drains = [d for r in runs for d in (r.off, r.compressed)]
     if whole_day is not None:
         drains.append(whole_day)
@@ -333,6 +345,12 @@ if __name__ == "__main__":
     parser.add_argument("--readings", type=int, help="backlog size (default: --seconds' worth)")
     parser.add_argument("--seconds", type=float, default=30.0, help="raw link time to fill")
     parser.add_argument("--day", action="store_true", help="first a day's backlog, archived")
+    parser.add_argument(
+        "--pack",
+        type=int,
+        default=1,
+        help="readings per message (an experiment: what packing on the device would give)",
+    )
     args = parser.parse_args()
     chosen = list(SHAPES) if args.shape == "all" else [args.shape]
-    asyncio.run(main(chosen, args.readings, args.seconds, args.day))
+    asyncio.run(main(chosen, args.readings, args.seconds, args.day, args.pack))
