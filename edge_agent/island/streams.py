@@ -124,8 +124,8 @@ def uplink_window(config: Config) -> int:
     Whatever else goes up the link (fast resume's reads of the hub's commands, status
     requests) queues behind them. Compressed, a reading takes ~50 bytes of the link and
     `MIRROR_WINDOW` pays (a command still started within 2.2 s on a 256 kbit/s link).
-    Uncompressed, it takes ~400: on that link a command waited 30 s behind 10,000 and 14 s
-    behind the server's default of 1,000, kept for uncompressed links."""
+    Uncompressed, it takes ~400: on that link a command waited 30 s behind 10,000 and
+    7.8-14 s behind the server's default of 1,000, kept for uncompressed links."""
     return MIRROR_WINDOW if link_mode(config) != OFF else UNCOMPRESSED_WINDOW
 
 
