@@ -8,7 +8,9 @@ resumes a mirror only 10-40 s after the leaf link is back. So when the link come
 mirror's last sequence, and hands each command to the `Executor`. It stops once
 the mirror is live again (its last contact is recent, checked a few seconds after the link
 came up) and holds everything read this way. The executor's ledger makes the mirror's later
-copy of each command a no-op, so a command still runs at most once.
+copy of each command a no-op, so a command still runs at most once. After each catch-up,
+and every 30 s while the link stays up, it checks that the origin is still the stream the
+mirror copied (`edge_agent.commands.origin`).
 """
 
 from __future__ import annotations
@@ -82,18 +84,18 @@ class FastResume:
         while not self._executor.stopping:
             await self._link.is_up.wait()
             await self.catch_up()
-            # A hub node can lose the origin while this device's link (to another node)
-            # stays up: look again every so often, not only when the link comes back.
+            # Checked after the catch-up, which it must not delay; and again every so often:
+            # a hub node can lose the origin while this device's link (to another node) stays
+            # up. A replaced origin is read again from its start.
             while not self._link.is_down.is_set() and not self._executor.stopping:
+                if await self._origin_replaced():
+                    await self.catch_up()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._link.is_down.wait(), self._origin_check)
-                if not self._link.is_down.is_set() and await self._origin_replaced():
-                    await self.catch_up()
 
     async def catch_up(self) -> int:
         """Run what the hub has beyond the mirror, until the mirror is live; how many ran."""
         started = time.monotonic()
-        await self._origin_replaced()
         cursor = await self._mirror_last_seq()
         if self._fenced_unread and await self._executor.fence() > 0:
             # A re-imaged device's fresh mirror starts where its previous incarnation's
