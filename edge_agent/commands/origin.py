@@ -87,12 +87,16 @@ async def rebuild_mirror(
         origin_last=why.origin_last,
     )
     origin = command_stream(config.device_id)
-    await island.delete_stream(COMMAND_MIRROR)
+    # First the consumer (the old mirror ignores what it then sends again): a failure past
+    # this point still leaves a mirror made again, never none.
     # nats-py has no call for a consumer reset (nats-server 2.14).
     await hub._api_request(
         f"{hub._prefix}.CONSUMER.RESET.{origin}.{ISLAND_CONSUMER}",
         json.dumps({"seq": max(why.origin_first, 1)}).encode(),
         timeout=hub._timeout,
     )
-    await reconcile(island, config)
+    try:
+        await island.delete_stream(COMMAND_MIRROR)
+    finally:
+        await reconcile(island, config)
     log.info("command_mirror_rebuilt", from_seq=max(why.origin_first, 1))
