@@ -62,11 +62,9 @@ class FastResume:
         *,
         poll_interval: float = 0.25,
         settle: float = 3.0,
-        origin_check: float = ORIGIN_CHECK_S,
     ) -> None:
         self._config = config
         self._origin = command_stream(config.device_id)
-        self._origin_check = origin_check
         self._island = island
         self._hub = hub
         self._link = link
@@ -91,7 +89,7 @@ class FastResume:
                 if await self._origin_replaced():
                     await self.catch_up()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._link.is_down.wait(), self._origin_check)
+                    await asyncio.wait_for(self._link.is_down.wait(), ORIGIN_CHECK_S)
 
     async def catch_up(self) -> int:
         """Run what the hub has beyond the mirror, until the mirror is live; how many ran."""
