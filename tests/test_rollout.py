@@ -174,6 +174,29 @@ def test_batches_cut_the_fleet_at_each_share_after_the_canary() -> None:
             rollout.parse_shares(bad)
 
 
+def test_a_heartbeat_that_reached_the_hub_late_does_not_make_its_device_look_online() -> None:
+    """Sent before the link dropped, stored after the batch opened (mirror and source lag):
+    the device has been offline since, and must not hold its batch up."""
+    plan = rollout.Rollout(version="2", batches=[["a"]], max_failures=0, opened=1)
+    plan.opened_at.append("2026-11-26T10:00:00.000Z")
+    late = {
+        "checked_at": "2026-11-26T09:59:50.000Z",  # device clock, 3 s behind the hub's
+        "clock_offset_s": 3.0,
+        "stored_at": "2026-11-26T10:00:05.000Z",
+    }
+
+    def pending(heartbeat: dict[str, object]) -> rollout.DeviceReport:
+        return rollout.DeviceReport("a", 0, rollout.PENDING, last_seen=rollout.sent_at(heartbeat))
+
+    assert rollout.sent_at(late) == "2026-11-26T09:59:53.000Z"
+    assert rollout.lets_through(plan, pending(late))
+    sent_after = {**late, "checked_at": "2026-11-26T10:00:01.000Z"}  # online since it opened
+    assert not rollout.lets_through(plan, pending(sent_after))
+    # never after its store time, whatever the device's clock says; unsynced: store time
+    assert rollout.sent_at({**late, "clock_offset_s": 3600.0}) == late["stored_at"]
+    assert rollout.sent_at({**late, "clock_offset_s": None}) == late["stored_at"]
+
+
 async def _stopped(hub: Hub) -> rollout.Rollout | None:
     plan, _ = await rollout.status(hub.js, hub.config)
     return plan if plan.state == rollout.RolloutState.STOPPED else None

@@ -21,7 +21,7 @@ import asyncio
 import json
 import math
 from dataclasses import asdict, dataclass, field
-from datetime import datetime
+from datetime import timedelta
 from enum import StrEnum
 from typing import Any
 
@@ -43,7 +43,7 @@ from edge_agent.protocol.release import (
     desired_key,
     update_subject,
 )
-from edge_agent.protocol.units import utc_now_iso
+from edge_agent.protocol.units import format_time, parse_time, utc_now_iso
 from hub_ingest.core.config import HubConfig
 from hub_ingest.core.errors import RegistryError, RolloutError
 from hub_ingest.fleet.registry import Device, Registry
@@ -101,7 +101,7 @@ class DeviceReport:
     bytes: int | None = None  # downloaded so far, while downloading
     reason: str = ""
     reported_at: str | None = None
-    last_seen: str | None = None  # its last heartbeat at the hub
+    last_seen: str | None = None  # when its last heartbeat at the hub was sent, hub clock
 
 
 def parse_shares(text: str) -> list[float]:
@@ -209,7 +209,7 @@ async def advance(js: JetStreamContext, config: HubConfig) -> Rollout | None:
         rollout.state = RolloutState.STOPPED
         rollout.reason = "; ".join(f"{r.device_id} {r.state}: {r.reason}" for r in failed)
         log.warning("rollout_stopped", version=rollout.version, failed=len(failed))
-    elif not all(_through(rollout, r) for r in opened) or not any(
+    elif not all(lets_through(rollout, r) for r in opened) or not any(
         r.state == UpdateState.HEALTHY for r in opened if r.batch == 0
     ):
         return rollout
@@ -227,15 +227,15 @@ async def advance(js: JetStreamContext, config: HubConfig) -> Rollout | None:
     return rollout
 
 
-def _through(rollout: Rollout, report: DeviceReport) -> bool:
+def lets_through(rollout: Rollout, report: DeviceReport) -> bool:
     """Whether `report`'s device lets its batch through: healthy, gone, or offline since its
     batch opened."""
     if report.state in DONE_WITH:
         return True
     if report.state != PENDING:
         return False  # on its way (downloading, staged, installed) or failed
-    opened = datetime.fromisoformat(rollout.opened_at[report.batch])
-    return report.last_seen is None or datetime.fromisoformat(report.last_seen) < opened
+    opened, seen = parse_time(rollout.opened_at[report.batch]), parse_time(report.last_seen)
+    return seen is None or (opened is not None and seen < opened)
 
 
 async def change(js: JetStreamContext, config: HubConfig, action: str) -> Rollout:
@@ -298,7 +298,7 @@ async def _report(
     last = await _last(js, stream, f"fleet.{device_id}.{update_subject(device_id)}")
     if last is None or last.get("version") != rollout.version:
         heartbeat = await _last(js, stream, f"fleet.{device_id}.evt.{device_id}.heartbeat")
-        return DeviceReport(device_id, batch, PENDING, last_seen=_stored_at(heartbeat))
+        return DeviceReport(device_id, batch, PENDING, last_seen=sent_at(heartbeat))
     return DeviceReport(
         device_id,
         batch,
@@ -324,5 +324,19 @@ async def _last(js: JetStreamContext, stream: str, subject: str) -> dict[str, An
     return {**body, "stored_at": msg.time.isoformat() if msg.time else None}
 
 
-def _stored_at(body: dict[str, Any] | None) -> str | None:
-    return body.get("stored_at") if body else None
+def sent_at(heartbeat: dict[str, Any] | None) -> str | None:
+    """When `heartbeat` left its device, on the hub's clock: its ``checked_at`` plus the
+    device's last measured clock offset, never after it was stored at the hub.
+
+    Not the store time alone: a heartbeat sent just before a link dropped can reach the
+    aggregate after a batch opened (the mirror and the source lag), and would make a device
+    that has been offline since look online, holding the batch up for good."""
+    if heartbeat is None:
+        return None
+    stored = parse_time(heartbeat.get("stored_at"))
+    checked = parse_time(heartbeat.get("checked_at"))
+    offset = heartbeat.get("clock_offset_s")
+    if checked is not None and isinstance(offset, int | float) and not isinstance(offset, bool):
+        sent = checked + timedelta(seconds=offset)
+        stored = sent if stored is None else min(stored, sent)
+    return format_time(stored) if stored else None
