@@ -15,10 +15,11 @@ from pathlib import Path
 import pytest
 
 from hub_ingest.core import failpoints
+from hub_ingest.core.buckets import bucket_values
 from hub_ingest.core.errors import EnrolmentError
 from hub_ingest.fleet.auth import new_seed, public_key
 from hub_ingest.fleet.enrol import Enrolment, parse_line, read_enrolments, valid_public_key
-from hub_ingest.fleet.registry import Registry
+from hub_ingest.fleet.registry import BUCKET, Device, Incarnation, Registry
 from hub_ingest.fleet.streams import stream_names
 from hub_ingest.local.fleet import write_hub_toml
 from tests.support.cluster import Hub
@@ -207,3 +208,21 @@ def test_enrolment_lines_ids_keys_comments_and_header() -> None:
     assert parse_line("#", 1, "f") is None
     with pytest.raises(EnrolmentError, match=r"^f line 2: device 'a': expected ID or ID,PUB"):
         parse_line("a,b,c", 2, "f")
+
+
+async def test_the_registry_lists_each_device_once_as_it_is_now(hub: Hub) -> None:
+    """One read of the bucket: the last value of each device, none that was removed, also
+    with more devices than one pull brings."""
+    registry = await Registry.open(hub.js)
+    key = public_key(new_seed())
+    for i in range(1100):
+        await registry.create(Device(f"r{i:04d}", f"edge-r{i:04d}", 0, "2026-11-26T00:00:00Z", key))
+    await registry.remove("r0003")
+    seen = Incarnation("TELEMETRY", "abc", "2026-11-26T00:00:00Z", 0)
+    await registry.add_incarnation("r0007", seen)
+    listed = await registry.list()
+    ids = [d.device_id for d in listed]
+    assert len(ids) == 1099 and "r0003" not in ids and ids == sorted(set(ids))
+    assert next(d for d in listed if d.device_id == "r0007").incarnations == (seen,)
+    assert set(await bucket_values(hub.js, BUCKET, "r0007")) == {"r0007"}  # a subject filter
+    assert await bucket_values(hub.js, BUCKET, "r0003") == {}
