@@ -17,7 +17,8 @@ from edge_agent.protocol.reconcile import reconcile_stream
 from hub_ingest.commands.send import new_envelope, send
 from hub_ingest.core.errors import RegistryError
 from hub_ingest.fleet.auth import ensure_operator_key, public_key
-from hub_ingest.fleet.provision import provision, subjects_overlap
+from hub_ingest.fleet.clashes import subjects_overlap
+from hub_ingest.fleet.provision import provision
 from hub_ingest.fleet.registry import Incarnation, Registry
 from hub_ingest.fleet.streams import stream_names
 from hub_ingest.local.fleet import write_hub_toml

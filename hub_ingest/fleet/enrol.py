@@ -34,7 +34,8 @@ from hub_ingest.core import failpoints
 from hub_ingest.core.config import HubConfig
 from hub_ingest.core.errors import EnrolmentError, RegistryError
 from hub_ingest.fleet.auth import new_seed, public_key, reload_server, write_auth, write_secret
-from hub_ingest.fleet.provision import check_names, provision
+from hub_ingest.fleet.clashes import check_names
+from hub_ingest.fleet.provision import provision
 from hub_ingest.fleet.registry import Device, Registry, assign_shards
 
 log = structlog.get_logger(__name__)

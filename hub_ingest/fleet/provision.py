@@ -19,11 +19,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import json
 from collections.abc import Collection, Iterable
-from typing import Any
 
 import structlog
 from nats.js import JetStreamContext
@@ -34,7 +31,6 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
     StreamConsumerSource,
-    StreamInfo,
     StreamSource,
     SubjectTransform,
 )
@@ -57,7 +53,9 @@ from edge_agent.protocol.units import parse_time
 from hub_ingest.core.buckets import COMMAND_INDEX, GAPS, bucket_stream, open_bucket
 from hub_ingest.core.config import HubConfig
 from hub_ingest.core.errors import ProvisionError
-from hub_ingest.fleet.gaps import REFILL_STREAM, Target, refill_source, refill_stream
+from hub_ingest.core.gather import gather_bounded
+from hub_ingest.fleet.clashes import check_foreign_streams, check_names
+from hub_ingest.fleet.gaps import Target, refill_source, refill_stream
 from hub_ingest.fleet.registry import BUCKET, Device, Incarnation, Registry
 from hub_ingest.fleet.streams import (
     AGGREGATES,
@@ -75,11 +73,6 @@ COMMAND_DEDUP_WINDOW = 600.0  # seconds
 REGISTRY_STREAM = bucket_stream(BUCKET)
 INDEX_STREAM = bucket_stream(COMMAND_INDEX)
 GAPS_STREAM = bucket_stream(GAPS)
-# Subjects the fleet's streams carry (devices' `tele.>` and `evt.>`, the aggregates' `fleet.>`,
-# commands) and the deliveries of mirrors across the link (`names.to_hub_prefix`,
-# `to_device_prefix`). Another stream listening on any of them would store fleet messages a
-# second time, or take them from the streams that should have them.
-FLEET_SUBJECTS = ("cmd.>", "fleet.>", "tele.>", "evt.>", "hubin.>", "devin.>", "refill.>")
 
 
 def mirror_metadata(device_id: str, incarnation: Incarnation) -> dict[str, str]:
@@ -249,97 +242,27 @@ def aggregate_streams(
     return streams
 
 
-async def _bucket_replicas(js: JetStreamContext, stream: str, replicas: int) -> Reconciled:
+_BUCKET_STREAMS = (REGISTRY_STREAM, INDEX_STREAM, GAPS_STREAM)
+_RELEASE_STREAMS = (bucket_stream(ROLLOUT_BUCKET), f"OBJ_{RELEASES_BUCKET}")
+_AT_ONCE = 16  # requests of one provisioning round in flight together
+
+
+async def _bucket_replicas(
+    js: JetStreamContext, stream: str, replicas: int, *, missing_ok: bool = False
+) -> Reconciled | None:
     """A key-value bucket's stream (the registry's, made by `Registry.open` with the
     server's default of one replica; the command index's) kept as many times as the hub's
-    streams."""
-    have = (await js.stream_info(stream)).config
+    streams; None for a stream not made yet, if `missing_ok`."""
+    try:
+        have = (await js.stream_info(stream)).config
+    except NotFoundError:
+        if missing_ok:
+            return None
+        raise
     if have.num_replicas == replicas:
         return Reconciled(stream, "unchanged")
     await js.update_stream(dataclasses.replace(have, num_replicas=replicas))
     return Reconciled(stream, "updated", ("num_replicas",))
-
-
-def subjects_overlap(a: str, b: str) -> bool:
-    """Whether some subject matches both patterns (``*`` is one token, ``>`` one or more)."""
-    left, right = a.split("."), b.split(".")
-    for x, y in zip(left, right, strict=False):
-        if ">" in (x, y):
-            return True
-        if x != y and "*" not in (x, y):
-            return False
-    return len(left) == len(right)
-
-
-def _ours(name: str) -> bool:
-    """Names hub-ingest manages: a stream of another owner under one of them is a clash."""
-    return (
-        name in (HUB_COMMANDS, REFILL_STREAM)
-        or name.startswith(("CMD_", "EDGE_"))
-        or bool(shard_of(name))
-    )
-
-
-def _clash(config: dict[str, Any], adopt: bool) -> str | None:
-    """Why provisioning must not go on beside (or over) this existing stream, if it must not."""
-    name = str(config.get("name"))
-    if (config.get("metadata") or {}).get("managed-by") == MANAGED_BY["managed-by"]:
-        return None
-    if _ours(name):
-        if adopt:
-            return None
-        return (
-            f"stream {name} exists but was not created by hub-ingest (no metadata "
-            f"managed-by: hub-ingest): refusing to rewrite it; --adopt takes it over"
-        )
-    for subject in config.get("subjects") or []:
-        for fleet in FLEET_SUBJECTS:
-            if subjects_overlap(subject, fleet):
-                return (
-                    f"stream {name} listens on {subject!r}, which overlaps {fleet!r} that the "
-                    f"fleet uses: it would store fleet messages a second time; change its "
-                    f"subjects or delete it"
-                )
-    return None
-
-
-async def check_names(js: JetStreamContext, names: Iterable[str], *, adopt: bool) -> None:
-    """`check_foreign_streams` at a cost that does not grow with the fleet: the streams on
-    the fleet's subjects (asked of the server by subject) and those under `names`."""
-    found = [info for subject in FLEET_SUBJECTS for info in await _streams_on(js, subject)]
-    for name in names:
-        with contextlib.suppress(NotFoundError):
-            found.append(await js.stream_info(name))
-    for info in found:
-        if problem := _clash(info.config.as_dict(), adopt):
-            raise ProvisionError(problem)
-
-
-async def _streams_on(js: JetStreamContext, subject: str) -> list[StreamInfo]:
-    """The streams whose subjects overlap `subject` (the server's STREAM.LIST filter)."""
-    found: list[StreamInfo] = []
-    while True:
-        # nats-py has no public call for the listing's subject filter.
-        page = await js._api_request(
-            f"{js._prefix}.STREAM.LIST",
-            json.dumps({"subject": subject, "offset": len(found)}).encode(),
-            timeout=js._timeout,
-        )
-        streams = page.get("streams") or []
-        found += [StreamInfo.from_response(info) for info in streams]
-        if not streams or len(found) >= page.get("total", 0):
-            return found
-
-
-async def check_foreign_streams(js: JetStreamContext, *, adopt: bool = False) -> None:
-    """Refuse (`ProvisionError`) before anything changes if another stream is in the way."""
-    offset = 0
-    while page := await js.streams_info(offset=offset):
-        offset += len(page)
-        for info in page:
-            problem = _clash(info.config.as_dict(), adopt)
-            if problem:
-                raise ProvisionError(problem)
 
 
 async def provision(
@@ -398,24 +321,41 @@ async def _provision_once(
             names = [command_stream(d.device_id) for d in touched]
             names += [s.name or "" for s in (*mirrors, *aggregates)]
             await check_names(js, names, adopt=adopt)
+        # In rounds, each round's requests at once: what a stream sources exists before it
+        # (COMMANDS before CMD_<id>, mirrors before aggregates). One after the other,
+        # adding a device to 200 took 0.2 s of round trips.
         # The command index is made here, with every node up, rather than by the first
         # report or status: made while a node is down, its replica group may be left
         # without a leader when another node goes (seen on a 3-node hub).
-        await open_bucket(js, COMMAND_INDEX, replicas=config.replicas, direct=True)
-        await open_bucket(js, GAPS, replicas=config.replicas)
-        results = [
-            await _bucket_replicas(js, stream, config.replicas)
-            for stream in (REGISTRY_STREAM, INDEX_STREAM, GAPS_STREAM)
-        ]
-        # Made by the first `release publish`, if there was one.
-        for stream in (bucket_stream(ROLLOUT_BUCKET), f"OBJ_{RELEASES_BUCKET}"):
-            with contextlib.suppress(NotFoundError):
-                results.append(await _bucket_replicas(js, stream, config.replicas))
-        results.append(await reconcile_stream(js, commands_stream(config)))
-        results.append(await reconcile_stream(js, refill_stream(config)))
-        results += [await provision_commands(js, config, d) for d in touched]
-        for want in [*mirrors, *aggregates]:
-            results.append(await reconcile_stream(js, want))
+        await gather_bounded(
+            [
+                open_bucket(js, COMMAND_INDEX, replicas=config.replicas, direct=True),
+                open_bucket(js, GAPS, replicas=config.replicas),
+            ],
+            _AT_ONCE,
+        )
+        fleet_wide = await gather_bounded(
+            [
+                *(_bucket_replicas(js, s, config.replicas) for s in _BUCKET_STREAMS),
+                # Made by the first `release publish`, if there was one.
+                *(
+                    _bucket_replicas(js, s, config.replicas, missing_ok=True)
+                    for s in _RELEASE_STREAMS
+                ),
+                reconcile_stream(js, commands_stream(config)),
+                reconcile_stream(js, refill_stream(config)),
+            ],
+            _AT_ONCE,
+        )
+        results = [r for r in fleet_wide if r is not None]
+        results += await gather_bounded(
+            [
+                *(provision_commands(js, config, d) for d in touched),
+                *(reconcile_stream(js, want) for want in mirrors),
+            ],
+            _AT_ONCE,
+        )
+        results += await gather_bounded((reconcile_stream(js, a) for a in aggregates), _AT_ONCE)
     except StreamError as exc:
         raise ProvisionError(str(exc)) from exc
     except APIError as exc:
