@@ -54,6 +54,7 @@ from edge_agent.protocol.names import INCARNATION, hub_consumer, js_api
 from edge_agent.protocol.units import utc_now_iso
 from hub_ingest.core.buckets import open_bucket
 from hub_ingest.core.config import HubConfig
+from hub_ingest.core.gather import gather_bounded
 from hub_ingest.fleet.aggregate_rows import in_aggregate, sourced_all, sourced_row
 from hub_ingest.fleet.gaps import (
     BUCKET,
@@ -147,18 +148,16 @@ class Refiller:
             )
             if self.seen.get(name) != state or retry:
                 due.append((name, state))
-        limit = asyncio.Semaphore(CONCURRENT)
 
         async def heal(name: str, state: tuple[int, int, int]) -> None:
-            async with limit:
-                gaps = await self.heal(mirrors[name])
+            gaps = await self.heal(mirrors[name])
             self.seen[name] = state
             if gaps.pending:
                 self.pending[name] = time.monotonic()
             else:
                 self.pending.pop(name, None)
 
-        await asyncio.gather(*(heal(name, state) for name, state in due))
+        await gather_bounded((heal(name, state) for name, state in due), CONCURRENT)
         await self._check_tails(mirrors, linked, now)
 
     async def _check_tails(
@@ -177,14 +176,12 @@ class Refiller:
             if target.device.device_id in linked
             and now - self.tail_checked.get(name, now - TAIL_S) >= TAIL_S
         ]
-        limit = asyncio.Semaphore(CONCURRENT)
 
         async def check(target: Target) -> None:
-            async with limit:
-                await self._check_tail(target)
+            await self._check_tail(target)
             self.tail_checked[target.mirror] = time.monotonic()
 
-        await asyncio.gather(*(check(target) for target in due))
+        await gather_bounded((check(target) for target in due), CONCURRENT)
 
     async def _check_tail(self, target: Target) -> None:
         """Refill what lies between the mirror's last sequence and the island consumer's

@@ -30,14 +30,13 @@ from datetime import UTC, datetime
 from typing import Any
 
 from nats.aio.client import Client
-from nats.aio.msg import Msg
-from nats.js import JetStreamContext
 
 from edge_agent.protocol.names import command_stream, island_name
 from edge_agent.protocol.units import format_time, parse_time
 from hub_ingest.commands.attribution import Attribution, attribute
-from hub_ingest.commands.index import CommandIndex, Tally, json_object, read_range
+from hub_ingest.commands.index import CommandIndex, Tally, json_object
 from hub_ingest.core.config import HubConfig
+from hub_ingest.core.gather import gather_bounded
 from hub_ingest.fleet.gaps import MirrorGaps, read_gaps
 from hub_ingest.fleet.registry import Device
 from hub_ingest.fleet.streams import AGGREGATES, mirror_name
@@ -96,11 +95,11 @@ def _beat_uplinks(heartbeat: Mapping[str, Any] | None) -> dict[str, dict[str, An
     }
 
 
-def _command(msg: Msg) -> _Command | None:
+def _command(subject: str, data: bytes) -> _Command | None:
     """The command in a ``CMD_<id>`` message; None for a malformed envelope, which has no id
     to match a result to (its device answers "rejected")."""
-    envelope = json_object(msg.data)
-    tokens = msg.subject.split(".")
+    envelope = json_object(data)
+    tokens = subject.split(".")
     if envelope is None or not isinstance(envelope.get("id"), str) or len(tokens) < 3:
         return None
     return _Command(envelope["id"], tokens[1], parse_time(envelope.get("expires_at")))
@@ -140,7 +139,7 @@ async def _heartbeat_forgeries(api: HubApi, stream: str, forged: _Forgeries) -> 
 
 
 async def _command_state(
-    api: HubApi, js: JetStreamContext, tally: Tally, device_id: str, now: datetime
+    api: HubApi, tally: Tally, device_id: str, now: datetime
 ) -> tuple[CommandCounts, CommandError | None]:
     """Counts from the device's `Tally`; pending and expired from the commands its
     ``CMD_<id>`` still holds without a result (the backlog, never the whole history)."""
@@ -149,12 +148,11 @@ async def _command_state(
     pending = expired = 0
     if state.get("messages"):
         for lo, hi in tally.unanswered(int(state["first_seq"]), int(state["last_seq"])):
-            async for batch in read_range(js, stream, ">", lo, hi):
-                for command in filter(None, map(_command, batch)):
-                    if command.expires_at is not None and command.expires_at <= now:
-                        expired += 1
-                    else:
-                        pending += 1
+            for command in filter(None, (_command(*m) for m in await api.messages(stream, lo, hi))):
+                if command.expires_at is not None and command.expires_at <= now:
+                    expired += 1
+                else:
+                    pending += 1
     counts = CommandCounts(pending=pending, expired=expired, done=tally.done, failed=tally.failed)
     last = tally.last_error
     return counts, None if last is None else CommandError(last.command_id, last.status, last.error)
@@ -264,7 +262,6 @@ class _Fleet:
     """What every device's part of the report reads, read once for the fleet."""
 
     api: HubApi
-    js: JetStreamContext
     index: CommandIndex
     infos: dict[str, dict[str, Any] | None]  # the aggregates
     mirror_gaps: Mapping[str, MirrorGaps]
@@ -318,9 +315,7 @@ async def _device_report(fleet: _Fleet, device: Device) -> tuple[DeviceReport, l
     tally = await fleet.index.tally(device.device_id)
     if tally.forged:
         fleet.forged.note(Attribution(device.device_id, tally.forged_example), tally.forged)
-    counts, last_error = await _command_state(
-        fleet.api, fleet.js, tally, device.device_id, fleet.now
-    )
+    counts, last_error = await _command_state(fleet.api, tally, device.device_id, fleet.now)
     gaps = hub_gaps(sources, heartbeat, accounted)
     warnings.extend(
         f"device {device.device_id}: the hub's copy of its {stream} skipped {skipped} "
@@ -382,14 +377,8 @@ async def collect_report(
     for name in event_streams:
         await _heartbeat_forgeries(api, name, forged)
 
-    fleet = _Fleet(api, js, index, infos, await read_gaps(js), leaves, forged, now, silent_after)
-    limit = asyncio.Semaphore(CONCURRENT_DEVICES)
-
-    async def one(device: Device) -> tuple[DeviceReport, list[str]]:
-        async with limit:
-            return await _device_report(fleet, device)
-
-    done = await asyncio.gather(*(one(d) for d in devices))
+    fleet = _Fleet(api, index, infos, await read_gaps(js), leaves, forged, now, silent_after)
+    done = await gather_bounded((_device_report(fleet, d) for d in devices), CONCURRENT_DEVICES)
     reports = [report for report, _ in done]
     for _, said in done:
         warnings.extend(said)
