@@ -378,7 +378,10 @@ async def collect_report(
         await _heartbeat_forgeries(api, name, forged)
 
     fleet = _Fleet(api, index, infos, await read_gaps(js), leaves, forged, now, silent_after)
-    done = await gather_bounded((_device_report(fleet, d) for d in devices), CONCURRENT_DEVICES)
+    try:
+        done = await gather_bounded((_device_report(fleet, d) for d in devices), CONCURRENT_DEVICES)
+    finally:
+        await api.close()
     reports = [report for report, _ in done]
     for _, said in done:
         warnings.extend(said)

@@ -17,6 +17,7 @@ from nats.aio.client import Client
 from edge_agent.protocol.names import js_api
 from hub_ingest.core.config import HubConfig, ServerConfig
 from hub_ingest.core.errors import ReportError
+from hub_ingest.core.replies import SharedInbox
 
 # JetStream's err_code for "stream not found" and "no message found".
 _NOT_FOUND_CODES = (10059, 10037)
@@ -36,6 +37,7 @@ class HubApi:
         self._nc = nc
         self._prefix = js_api(domain)
         self._timeout = timeout
+        self._inbox = SharedInbox(nc)
 
     async def request(
         self, api: str, body: Mapping[str, Any] | None = None, *, timeout: float | None = None
@@ -92,21 +94,21 @@ class HubApi:
     ) -> list[tuple[int, str, bytes]]:
         """Up to `batch` messages from `seq` on, as (sequence, subject, payload); the server
         ends the answer with a status (``204 EOB``, or ``404`` when there is none)."""
-        inbox = self._nc.new_inbox()
-        sub = await self._nc.subscribe(inbox)
+        body = json.dumps({"seq": seq, "batch": batch}).encode()
         got: list[tuple[int, str, bytes]] = []
-        try:
-            body = json.dumps({"seq": seq, "batch": batch}).encode()
-            await self._nc.publish(f"{self._prefix}.DIRECT.GET.{stream}", body, reply=inbox)
-            while True:
-                msg = await sub.next_msg(timeout=self._timeout)
+        subject = f"{self._prefix}.DIRECT.GET.{stream}"
+        async with contextlib.aclosing(
+            self._inbox.replies(subject, body, self._timeout)
+        ) as replies:
+            async for msg in replies:
                 headers = msg.headers or {}
                 if "Status" in headers:
-                    return got
+                    break
                 got.append((int(headers["Nats-Sequence"]), headers["Nats-Subject"], msg.data))
-        finally:
-            with contextlib.suppress(nats.errors.Error):
-                await sub.unsubscribe()
+        return got
+
+    async def close(self) -> None:
+        await self._inbox.close()
 
     async def last_message(self, stream: str, subject: str) -> dict[str, Any] | None:
         reply = await self.request(f"STREAM.MSG.GET.{stream}", {"last_by_subj": subject})

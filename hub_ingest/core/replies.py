@@ -1,0 +1,64 @@
+"""Requests answered by several messages (a batched direct get), over one subscription.
+
+A subscription made per request is an interest change, and the hub sends each one to every
+leaf node of the account (checking that leaf's permissions): with hundreds of devices linked,
+that loop was the largest part of the hub's CPU (docs/scaling.md). nats-py's own requests
+share one inbox subscription; this does the same for answers that come in several messages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections.abc import AsyncGenerator
+
+import nats.errors
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+
+class SharedInbox:
+    """One wildcard inbox subscription, made at the first request; `close` removes it."""
+
+    def __init__(self, nc: Client) -> None:
+        self._nc = nc
+        self._prefix = nc.new_inbox()
+        self._sub: Subscription | None = None
+        self._subscribing = asyncio.Lock()
+        self._waiting: dict[str, asyncio.Queue[Msg]] = {}
+        self._tokens = itertools.count()
+
+    async def replies(
+        self, subject: str, payload: bytes, timeout: float
+    ) -> AsyncGenerator[Msg, None]:
+        """The messages answering `payload` sent to `subject`, as they come; raises nats-py's
+        TimeoutError when the next one is `timeout` seconds late. The caller stops reading
+        when an answer says it is the last."""
+        async with self._subscribing:  # one subscription, however many ask at once
+            if self._sub is None:
+                self._sub = await self._nc.subscribe(f"{self._prefix}.*", cb=self._deliver)
+        token = str(next(self._tokens))
+        queue: asyncio.Queue[Msg] = asyncio.Queue()
+        self._waiting[token] = queue
+        try:
+            await self._nc.publish(subject, payload, reply=f"{self._prefix}.{token}")
+            while True:
+                try:
+                    yield await asyncio.wait_for(queue.get(), timeout)
+                except TimeoutError:
+                    raise nats.errors.TimeoutError from None
+        finally:
+            del self._waiting[token]
+
+    async def _deliver(self, msg: Msg) -> None:
+        queue = self._waiting.get(msg.subject.rsplit(".", 1)[-1])
+        if queue is not None:  # else: the answer to a request given up on
+            queue.put_nowait(msg)
+
+    async def close(self) -> None:
+        if self._sub is not None:
+            with contextlib.suppress(nats.errors.Error):
+                await self._sub.unsubscribe()
+            self._sub = None
