@@ -3,12 +3,8 @@ stores them: one definition of their names and of how each is made."""
 
 from __future__ import annotations
 
-import contextlib
-import secrets
-
-from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, KeyValueConfig, StorageType
+from nats.js.api import KeyValueConfig, StorageType
 from nats.js.errors import BucketNotFoundError
 from nats.js.kv import KeyValue
 
@@ -48,48 +44,3 @@ async def bucket_keys(js: JetStreamContext, bucket: str, pattern: str = ">") -> 
     prefix = f"$KV.{bucket}."
     info = await js.stream_info(bucket_stream(bucket), subjects_filter=prefix + pattern)
     return [subject.removeprefix(prefix) for subject in sorted(info.state.subjects or {})]
-
-
-_ENTRIES_AT_ONCE = 1024  # messages per pull while reading a bucket's values
-
-
-async def bucket_values(
-    js: JetStreamContext, bucket: str, pattern: str = ">", *, timeout: float = 10.0
-) -> dict[str, bytes]:
-    """The value of every key of `bucket` matching `pattern`, in one pass: an ephemeral
-    consumer that delivers the last message of each key's subject, read until it has
-    delivered as many as it had pending when made (deleted and purged keys left out). One
-    request and a few pulls instead of a get per key: a registry of 500 devices is read in
-    milliseconds instead of a quarter of a second, and every change to the fleet reads it."""
-    prefix = f"$KV.{bucket}."
-    config = ConsumerConfig(
-        name=f"values_{secrets.token_hex(8)}",
-        filter_subject=prefix + pattern,
-        deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
-        ack_policy=AckPolicy.NONE,
-        inactive_threshold=30.0,  # gone on its own if this task dies before it deletes it
-        mem_storage=True,
-        num_replicas=1,
-    )
-    stream = bucket_stream(bucket)
-    info = await js.add_consumer(stream, config=config)
-    assert config.name is not None
-    sub = await js.pull_subscribe_bind(name=config.name, stream=stream)
-    values: dict[str, bytes] = {}
-    try:
-        left = info.num_pending or 0
-        while left > 0:
-            # nats-py raises its TimeoutError if the rest does not come: a failed read, as a
-            # get that got no answer would be.
-            for msg in await sub.fetch(min(left, _ENTRIES_AT_ONCE), timeout=timeout):
-                left -= 1
-                key = msg.subject.removeprefix(prefix)
-                if (msg.headers or {}).get("KV-Operation") in ("DEL", "PURGE"):
-                    values.pop(key, None)
-                else:
-                    values[key] = msg.data
-    finally:
-        with contextlib.suppress(NatsError):
-            await sub.unsubscribe()
-            await js.delete_consumer(stream, config.name)
-    return values

@@ -30,8 +30,9 @@ from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_ex
 
 from edge_agent.protocol.names import js_api
 from edge_agent.protocol.units import utc_now_iso
-from hub_ingest.core.buckets import bucket_values
+from hub_ingest.core.buckets import bucket_keys
 from hub_ingest.core.errors import RegistryError
+from hub_ingest.core.gather import gather_bounded
 
 _WRITE_ATTEMPTS = 10  # optimistic writes that lost a race are retried this often
 
@@ -89,6 +90,9 @@ def assign_shards(existing: Iterable[Device], count: int, max_per_shard: int) ->
     return shards
 
 
+_READ_AT_ONCE = 64
+
+
 class Registry:
     def __init__(self, js: JetStreamContext, kv: KeyValue) -> None:
         self._js = js
@@ -105,9 +109,21 @@ class Registry:
         return cls(js, kv)
 
     async def list(self) -> list[Device]:
-        """Every registered device, by id, in one read of the bucket (`bucket_values`)."""
-        found = await bucket_values(self._js, BUCKET)
-        return [Device.from_json(found[device_id]) for device_id in sorted(found)]
+        """Every registered device, by id; read `_READ_AT_ONCE` at a time (one after the other,
+        a fleet of 500 took 0.15 s a listing, and adding a device lists it several times)."""
+        # Not one consumer over the bucket (tried: one request instead of a get per device):
+        # making a consumer asks a cluster's meta leader, which is away for seconds when a
+        # node dies, while a get needs only the bucket's own replicas.
+
+        async def read(device_id: str) -> Device | None:
+            try:
+                return await self.get(device_id)
+            except RegistryError:  # removed since: its subject keeps the delete marker
+                return None
+
+        keys = await bucket_keys(self._js, BUCKET)
+        found = await gather_bounded(map(read, keys), _READ_AT_ONCE)
+        return [device for device in found if device is not None]
 
     async def get(self, device_id: str) -> Device:
         try:
