@@ -9,23 +9,24 @@ share one inbox subscription; this does the same for answers that come in severa
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
+import weakref
 from collections.abc import AsyncGenerator
 
 import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
 
 
 class SharedInbox:
-    """One wildcard inbox subscription, made at the first request; `close` removes it."""
+    """One wildcard inbox subscription, made at the first request (see `shared_inbox`)."""
 
     def __init__(self, nc: Client) -> None:
-        self._nc = nc
+        # Neither the connection nor its subscription is held: `shared_inbox` keys its cache
+        # by the connection, weakly, and a value holding its key would never let it go.
+        self._nc = weakref.ref(nc)
         self._prefix = nc.new_inbox()
-        self._sub: Subscription | None = None
+        self._subscribed = False
         self._subscribing = asyncio.Lock()
         self._waiting: dict[str, asyncio.Queue[Msg]] = {}
         self._tokens = itertools.count()
@@ -36,14 +37,18 @@ class SharedInbox:
         """The messages answering `payload` sent to `subject`, as they come; raises nats-py's
         TimeoutError when the next one is `timeout` seconds late. The caller stops reading
         when an answer says it is the last."""
+        nc = self._nc()
+        if nc is None:
+            raise nats.errors.ConnectionClosedError
         async with self._subscribing:  # one subscription, however many ask at once
-            if self._sub is None:
-                self._sub = await self._nc.subscribe(f"{self._prefix}.*", cb=self._deliver)
+            if not self._subscribed:
+                await nc.subscribe(f"{self._prefix}.*", cb=self._deliver)
+                self._subscribed = True
         token = str(next(self._tokens))
         queue: asyncio.Queue[Msg] = asyncio.Queue()
         self._waiting[token] = queue
         try:
-            await self._nc.publish(subject, payload, reply=f"{self._prefix}.{token}")
+            await nc.publish(subject, payload, reply=f"{self._prefix}.{token}")
             while True:
                 try:
                     yield await asyncio.wait_for(queue.get(), timeout)
@@ -57,8 +62,14 @@ class SharedInbox:
         if queue is not None:  # else: the answer to a request given up on
             queue.put_nowait(msg)
 
-    async def close(self) -> None:
-        if self._sub is not None:
-            with contextlib.suppress(nats.errors.Error):
-                await self._sub.unsubscribe()
-            self._sub = None
+
+_SHARED: weakref.WeakKeyDictionary[Client, SharedInbox] = weakref.WeakKeyDictionary()
+
+
+def shared_inbox(nc: Client) -> SharedInbox:
+    """The connection's one `SharedInbox`: its subscription lives as long as the connection
+    (nats-py makes it again after a reconnect)."""
+    inbox = _SHARED.get(nc)
+    if inbox is None:
+        inbox = _SHARED[nc] = SharedInbox(nc)
+    return inbox

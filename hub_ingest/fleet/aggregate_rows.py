@@ -10,10 +10,10 @@ import contextlib
 import json
 from dataclasses import dataclass
 
-import nats.errors
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
+from hub_ingest.core.replies import shared_inbox
 from hub_ingest.fleet.gaps import REFILL_HEADER, Target, to_ranges
 
 _BATCH = 256  # rows per direct get from the hub's own aggregate
@@ -133,25 +133,16 @@ async def _direct(
     nc: Client, api: str, stream: str, seq: int, *, subject: str, batch: int
 ) -> list[_Stored]:
     """Up to `batch` messages on `subject` from `seq` on (only their headers are used)."""
-    inbox = nc.new_inbox()
-    sub = await nc.subscribe(inbox)
     got: list[_Stored] = []
-    try:
-        request = {"seq": seq, "next_by_subj": subject, "batch": batch}
-        await nc.publish(
-            f"{api}.DIRECT.GET.{stream}",
-            json.dumps(request).encode(),
-            reply=inbox,
-        )
-        while True:
-            msg = await sub.next_msg(timeout=10)
+    request = json.dumps({"seq": seq, "next_by_subj": subject, "batch": batch}).encode()
+    replies = shared_inbox(nc).replies(f"{api}.DIRECT.GET.{stream}", request, timeout=10)
+    async with contextlib.aclosing(replies) as answers:
+        async for msg in answers:
             headers = dict(msg.headers or {})
             if "Status" in headers:
-                return got
+                break
             got.append(_Stored(int(headers["Nats-Sequence"]), headers))
-    finally:
-        with contextlib.suppress(nats.errors.Error):
-            await sub.unsubscribe()
+    return got
 
 
 def _source(msg: _Stored, *, refilled: bool = True) -> tuple[str, int] | None:

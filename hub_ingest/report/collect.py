@@ -378,10 +378,7 @@ async def collect_report(
         await _heartbeat_forgeries(api, name, forged)
 
     fleet = _Fleet(api, index, infos, await read_gaps(js), leaves, forged, now, silent_after)
-    try:
-        done = await gather_bounded((_device_report(fleet, d) for d in devices), CONCURRENT_DEVICES)
-    finally:
-        await api.close()
+    done = await gather_bounded((_device_report(fleet, d) for d in devices), CONCURRENT_DEVICES)
     reports = [report for report, _ in done]
     for _, said in done:
         warnings.extend(said)

@@ -17,7 +17,7 @@ from nats.aio.client import Client
 from edge_agent.protocol.names import js_api
 from hub_ingest.core.config import HubConfig, ServerConfig
 from hub_ingest.core.errors import ReportError
-from hub_ingest.core.replies import SharedInbox
+from hub_ingest.core.replies import shared_inbox
 
 # JetStream's err_code for "stream not found" and "no message found".
 _NOT_FOUND_CODES = (10059, 10037)
@@ -37,7 +37,6 @@ class HubApi:
         self._nc = nc
         self._prefix = js_api(domain)
         self._timeout = timeout
-        self._inbox = SharedInbox(nc)
 
     async def request(
         self, api: str, body: Mapping[str, Any] | None = None, *, timeout: float | None = None
@@ -98,7 +97,7 @@ class HubApi:
         got: list[tuple[int, str, bytes]] = []
         subject = f"{self._prefix}.DIRECT.GET.{stream}"
         async with contextlib.aclosing(
-            self._inbox.replies(subject, body, self._timeout)
+            shared_inbox(self._nc).replies(subject, body, self._timeout)
         ) as replies:
             async for msg in replies:
                 headers = msg.headers or {}
@@ -106,9 +105,6 @@ class HubApi:
                     break
                 got.append((int(headers["Nats-Sequence"]), headers["Nats-Subject"], msg.data))
         return got
-
-    async def close(self) -> None:
-        await self._inbox.close()
 
     async def last_message(self, stream: str, subject: str) -> dict[str, Any] | None:
         reply = await self.request(f"STREAM.MSG.GET.{stream}", {"last_by_subj": subject})
