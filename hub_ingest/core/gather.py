@@ -8,6 +8,8 @@ from typing import TypeVar
 
 T = TypeVar("T")
 
+REQUESTS_AT_ONCE = 16  # a provisioning round's requests in flight together
+
 
 async def gather_bounded(steps: Iterable[Awaitable[T]], limit: int) -> list[T]:
     """Await `steps` together, at most `limit` at a time; their results in order. A pass

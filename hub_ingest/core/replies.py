@@ -9,9 +9,12 @@ share one inbox subscription; this does the same for answers that come in severa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+import json
 import weakref
 from collections.abc import AsyncGenerator
+from typing import Any
 
 import nats.errors
 from nats.aio.client import Client
@@ -73,3 +76,20 @@ def shared_inbox(nc: Client) -> SharedInbox:
     if inbox is None:
         inbox = _SHARED[nc] = SharedInbox(nc)
     return inbox
+
+
+async def direct_get(
+    nc: Client, api: str, stream: str, request: dict[str, Any], timeout: float
+) -> list[Msg]:
+    """The messages a batched direct get on `stream` answers (`request`: ``seq``, ``batch``,
+    maybe ``next_by_subj``), without the status that ends the answer (``204 EOB``, or
+    ``404`` when there is none); `api` is the JetStream API prefix of the hub's domain."""
+    got: list[Msg] = []
+    subject = f"{api}.DIRECT.GET.{stream}"
+    answers = shared_inbox(nc).replies(subject, json.dumps(request).encode(), timeout)
+    async with contextlib.aclosing(answers) as replies:
+        async for msg in replies:
+            if "Status" in (msg.headers or {}):
+                break
+            got.append(msg)
+    return got

@@ -6,14 +6,13 @@ search over the aggregate's sequences finds where a range of the mirror is or wo
 
 from __future__ import annotations
 
-import contextlib
 import json
 from dataclasses import dataclass
 
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
-from hub_ingest.core.replies import shared_inbox
+from hub_ingest.core.replies import direct_get
 from hub_ingest.fleet.gaps import REFILL_HEADER, Target, to_ranges
 
 _BATCH = 256  # rows per direct get from the hub's own aggregate
@@ -133,16 +132,10 @@ async def _direct(
     nc: Client, api: str, stream: str, seq: int, *, subject: str, batch: int
 ) -> list[_Stored]:
     """Up to `batch` messages on `subject` from `seq` on (only their headers are used)."""
-    got: list[_Stored] = []
-    request = json.dumps({"seq": seq, "next_by_subj": subject, "batch": batch}).encode()
-    replies = shared_inbox(nc).replies(f"{api}.DIRECT.GET.{stream}", request, timeout=10)
-    async with contextlib.aclosing(replies) as answers:
-        async for msg in answers:
-            headers = dict(msg.headers or {})
-            if "Status" in headers:
-                break
-            got.append(_Stored(int(headers["Nats-Sequence"]), headers))
-    return got
+    request = {"seq": seq, "next_by_subj": subject, "batch": batch}
+    msgs = await direct_get(nc, api, stream, request, timeout=10)
+    stored = [dict(m.headers or {}) for m in msgs]
+    return [_Stored(int(headers["Nats-Sequence"]), headers) for headers in stored]
 
 
 def _source(msg: _Stored, *, refilled: bool = True) -> tuple[str, int] | None:

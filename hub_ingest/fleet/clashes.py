@@ -16,7 +16,7 @@ from nats.js.errors import NotFoundError
 
 from edge_agent.protocol.names import HUB_COMMANDS
 from hub_ingest.core.errors import ProvisionError
-from hub_ingest.core.gather import gather_bounded
+from hub_ingest.core.gather import REQUESTS_AT_ONCE, gather_bounded
 from hub_ingest.fleet.gaps import REFILL_STREAM
 from hub_ingest.fleet.streams import MANAGED_BY, shard_of
 
@@ -25,7 +25,6 @@ from hub_ingest.fleet.streams import MANAGED_BY, shard_of
 # `to_device_prefix`). Another stream listening on any of them would store fleet messages a
 # second time, or take them from the streams that should have them.
 FLEET_SUBJECTS = ("cmd.>", "fleet.>", "tele.>", "evt.>", "hubin.>", "devin.>", "refill.>")
-_AT_ONCE = 16  # requests in flight together
 
 
 def subjects_overlap(a: str, b: str) -> bool:
@@ -74,8 +73,10 @@ def _clash(config: dict[str, Any], adopt: bool) -> str | None:
 async def check_names(js: JetStreamContext, names: Iterable[str], *, adopt: bool) -> None:
     """`check_foreign_streams` at a cost that does not grow with the fleet: the streams on
     the fleet's subjects (asked of the server by subject) and those under `names`."""
-    on_subjects = await gather_bounded((_streams_on(js, s) for s in FLEET_SUBJECTS), _AT_ONCE)
-    named = await gather_bounded((_stream_info(js, name) for name in names), _AT_ONCE)
+    on_subjects = await gather_bounded(
+        (_streams_on(js, s) for s in FLEET_SUBJECTS), REQUESTS_AT_ONCE
+    )
+    named = await gather_bounded((_stream_info(js, name) for name in names), REQUESTS_AT_ONCE)
     found = [info for infos in on_subjects for info in infos]
     for info in [*found, *(i for i in named if i is not None)]:
         if problem := _clash(info.config.as_dict(), adopt):

@@ -53,7 +53,7 @@ from edge_agent.protocol.units import parse_time
 from hub_ingest.core.buckets import COMMAND_INDEX, GAPS, bucket_stream, open_bucket
 from hub_ingest.core.config import HubConfig
 from hub_ingest.core.errors import ProvisionError
-from hub_ingest.core.gather import gather_bounded
+from hub_ingest.core.gather import REQUESTS_AT_ONCE, gather_bounded
 from hub_ingest.fleet.clashes import check_foreign_streams, check_names
 from hub_ingest.fleet.gaps import Target, refill_source, refill_stream
 from hub_ingest.fleet.registry import BUCKET, Device, Incarnation, Registry
@@ -244,7 +244,6 @@ def aggregate_streams(
 
 _BUCKET_STREAMS = (REGISTRY_STREAM, INDEX_STREAM, GAPS_STREAM)
 _RELEASE_STREAMS = (bucket_stream(ROLLOUT_BUCKET), f"OBJ_{RELEASES_BUCKET}")
-_AT_ONCE = 16  # requests of one provisioning round in flight together
 
 
 async def _bucket_replicas(
@@ -332,7 +331,7 @@ async def _provision_once(
                 open_bucket(js, COMMAND_INDEX, replicas=config.replicas, direct=True),
                 open_bucket(js, GAPS, replicas=config.replicas),
             ],
-            _AT_ONCE,
+            REQUESTS_AT_ONCE,
         )
         fleet_wide = await gather_bounded(
             [
@@ -345,7 +344,7 @@ async def _provision_once(
                 reconcile_stream(js, commands_stream(config)),
                 reconcile_stream(js, refill_stream(config)),
             ],
-            _AT_ONCE,
+            REQUESTS_AT_ONCE,
         )
         results = [r for r in fleet_wide if r is not None]
         results += await gather_bounded(
@@ -353,9 +352,11 @@ async def _provision_once(
                 *(provision_commands(js, config, d) for d in touched),
                 *(reconcile_stream(js, want) for want in mirrors),
             ],
-            _AT_ONCE,
+            REQUESTS_AT_ONCE,
         )
-        results += await gather_bounded((reconcile_stream(js, a) for a in aggregates), _AT_ONCE)
+        results += await gather_bounded(
+            (reconcile_stream(js, a) for a in aggregates), REQUESTS_AT_ONCE
+        )
     except StreamError as exc:
         raise ProvisionError(str(exc)) from exc
     except APIError as exc:

@@ -4,7 +4,6 @@ source reads from) and the servers' monitoring endpoints (which leaves are linke
 
 from __future__ import annotations
 
-import contextlib
 import json
 import urllib.parse
 import urllib.request
@@ -17,7 +16,7 @@ from nats.aio.client import Client
 from edge_agent.protocol.names import js_api
 from hub_ingest.core.config import HubConfig, ServerConfig
 from hub_ingest.core.errors import ReportError
-from hub_ingest.core.replies import shared_inbox
+from hub_ingest.core.replies import direct_get
 
 # JetStream's err_code for "stream not found" and "no message found".
 _NOT_FOUND_CODES = (10059, 10037)
@@ -91,19 +90,14 @@ class HubApi:
     async def _direct_batch(
         self, stream: str, seq: int, batch: int
     ) -> list[tuple[int, str, bytes]]:
-        """Up to `batch` messages from `seq` on, as (sequence, subject, payload); the server
-        ends the answer with a status (``204 EOB``, or ``404`` when there is none)."""
-        body = json.dumps({"seq": seq, "batch": batch}).encode()
-        got: list[tuple[int, str, bytes]] = []
-        subject = f"{self._prefix}.DIRECT.GET.{stream}"
-        async with contextlib.aclosing(
-            shared_inbox(self._nc).replies(subject, body, self._timeout)
-        ) as replies:
-            async for msg in replies:
-                headers = msg.headers or {}
-                if "Status" in headers:
-                    break
-                got.append((int(headers["Nats-Sequence"]), headers["Nats-Subject"], msg.data))
+        """Up to `batch` messages from `seq` on, as (sequence, subject, payload)."""
+        msgs = await direct_get(
+            self._nc, self._prefix, stream, {"seq": seq, "batch": batch}, self._timeout
+        )
+        got = []
+        for msg in msgs:
+            headers = msg.headers or {}
+            got.append((int(headers["Nats-Sequence"]), headers["Nats-Subject"], msg.data))
         return got
 
     async def last_message(self, stream: str, subject: str) -> dict[str, Any] | None:
