@@ -25,6 +25,8 @@ from tests.support.waiting import RESUME_TIMEOUT, eventually
 
 pytestmark = pytest.mark.slow
 
+REGROUP_TIMEOUT = 180  # nats-server's retry back-off cap (2 min) plus one attempt's wait (30 s)
+
 
 def _commands(start: float, end: float, every: float) -> list[Action]:
     targets = ("a", "b", "c", "all")
@@ -124,7 +126,7 @@ async def test_each_node_keeps_its_users_file_in_line_with_the_registry(
     assert not await sync_users(cluster_hub.js, cluster_hub.config)  # already in line
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(600)
 async def test_provision_raises_the_replica_count_of_existing_streams_in_place(
     tmp_path: Path,
 ) -> None:
@@ -155,14 +157,14 @@ async def test_provision_raises_the_replica_count_of_existing_streams_in_place(
         for name in await stream_names(hub.js):
             assert (await hub.js.stream_info(name)).config.num_replicas == 3, name
         await a.js.publish("tele.temp", b"r5")
-        await eventually(lambda: _holds(hub, mirror, 6), timeout=RESUME_TIMEOUT, what="6")
-        # The aggregate's source read the mirror through a consumer that the mirror's move
-        # to a new replica group took away; nats-server notices within its 10 s health
-        # check, but a source whose re-creations failed while the groups elected leaders
-        # retries with a back-off of up to 2 min, each attempt waiting up to 30 s (seen: more
-        # than 90 s once in CI): this waits that bound out.
+        # The mirror's consumer on the island, and the aggregate's on the mirror, went with
+        # the move to new replica groups; nats-server notices within its 10 s health check,
+        # but one whose re-creations failed while the groups elected leaders retries with a
+        # back-off of up to 2 min, each attempt waiting up to 30 s (seen: more than 90 s in
+        # CI, for each): this waits that bound out.
+        await eventually(lambda: _holds(hub, mirror, 6), timeout=REGROUP_TIMEOUT, what="6")
         aggregate = await eventually(
-            lambda: _holds(hub, "FLEET_TELEMETRY", 6), timeout=180, what="aggregate"
+            lambda: _holds(hub, "FLEET_TELEMETRY", 6), timeout=REGROUP_TIMEOUT, what="aggregate"
         )
         assert aggregate
     finally:
