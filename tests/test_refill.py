@@ -12,6 +12,7 @@ from edge_agent.island.streams import incarnations
 from edge_agent.protocol.names import hub_consumer
 from hub_ingest.archive.audit import Gap, audit_archive, missing_range
 from hub_ingest.fleet.gaps import REFILL_HEADER, MirrorGaps, healed, read_gaps
+from hub_ingest.fleet.provision import provision
 from hub_ingest.fleet.registry import Registry
 from hub_ingest.report.collect import collect_report, hub_gaps
 from hub_ingest.report.model import SourceState
@@ -109,6 +110,54 @@ async def test_a_mirror_skip_is_refilled_from_the_island_once(
     assert [REFILL_HEADER in dict(r["headers"]) for r in archived] == [False] * 5 + [True] * 3 + [
         False
     ] * 2
+
+
+async def test_what_a_mirror_made_again_starts_above_is_refilled_from_the_island(
+    hub: Hub,
+) -> None:
+    """The aggregate has sourced a's readings 1..5 when it stops (as when it lags), the mirror
+    holds 1..10, and then the mirror is lost with its node's store and made again: it binds
+    at the island consumer's floor and starts at 11, showing nothing deleted (seen on a
+    cluster; here the mirror is deleted and provisioned anew over a consumer moved to 11).
+    The watcher compares the aggregate's rows below the mirror's first sequence with it and
+    refills 6..10 once."""
+    a = await hub.device("a")
+    for i in range(5):
+        await a.js.publish("tele.temp", str(i).encode())
+    mirror = await eventually(lambda: hub.mirror("a"), timeout=30, what="a's mirror")
+    await eventually(lambda: _rows(hub, 5), timeout=RESUME_TIMEOUT, what="5 in the aggregate")
+    aggregate = (await hub.js.stream_info("FLEET_TELEMETRY")).config
+    sourced = aggregate.sources or []
+    aggregate.sources = [s for s in sourced if s.name != mirror]
+    await hub.js.update_stream(aggregate)
+    for i in range(5, 10):
+        await a.js.publish("tele.temp", str(i).encode())
+    await eventually(lambda: _last_seq(hub, mirror, 10), timeout=RESUME_TIMEOUT, what="10")
+    await hub.js.delete_stream(mirror)
+    # As the engine did when it made a lost mirror again: it bound at the consumer's floor.
+    incarnation = (await incarnations(a.js))["TELEMETRY"]
+    assert incarnation is not None and a.nc is not None
+    reply = await a.nc.request(
+        f"$JS.API.CONSUMER.RESET.TELEMETRY.{hub_consumer(incarnation)}",
+        json.dumps({"seq": 11}).encode(),
+        timeout=5,
+    )
+    assert "error" not in json.loads(reply.data), reply.data
+    await provision(hub.js, hub.config, await (await Registry.open(hub.js)).list())
+    await a.js.publish("tele.temp", b"10")
+
+    got = await eventually(lambda: _rows(hub, 11), timeout=RESUME_TIMEOUT, what="11 at the hub")
+    assert sorted((seq, refilled) for seq, _, refilled in got) == [
+        (n, 6 <= n <= 10) for n in range(1, 12)
+    ]
+    assert (await hub.js.stream_info(mirror)).state.first_seq == 11
+    record = await _record(hub, mirror)
+    assert record is not None and (record.head, record.refilled, record.lost) == (11, 5, {})
+
+
+async def _rows(hub: Hub, n: int) -> list[tuple[int, bytes, bool]] | None:
+    got = await _aggregate_rows(hub)
+    return got if len(got) >= n else None
 
 
 async def test_a_skip_at_the_mirrors_tail_is_refilled_before_the_device_publishes_again(

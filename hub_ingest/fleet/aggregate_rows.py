@@ -32,10 +32,33 @@ async def in_aggregate(
 async def _in_aggregate_range(
     js: JetStreamContext, nc: Client, api: str, target: Target, span: tuple[int, int]
 ) -> set[int]:
-    """The sequences of the mirror in `span` the aggregate holds. The device's rows in
-    the aggregate are in device order, so a binary search on the aggregate's sequences finds
-    where the range would be, and a short read forward says."""
+    """The sequences of the mirror in `span` the aggregate holds: from where the range would
+    be, a short read forward says."""
     lo_seq, hi_seq = span
+    filter_subject = f"fleet.{target.device.device_id}.>"
+    seq, last = await _first_at_or_after(js, nc, api, target, lo_seq)
+    held: set[int] = set()
+    while seq <= last:
+        msgs = await _direct(nc, api, target.aggregate, seq, subject=filter_subject, batch=_BATCH)
+        if not msgs:
+            break
+        for msg in msgs:
+            origin = _source(msg)
+            if origin is not None and origin[0] == target.mirror:
+                if origin[1] > hi_seq:
+                    return held
+                if origin[1] >= lo_seq:
+                    held.add(origin[1])
+        seq = msgs[-1].seq + 1
+    return held
+
+
+async def _first_at_or_after(
+    js: JetStreamContext, nc: Client, api: str, target: Target, lo_seq: int
+) -> tuple[int, int]:
+    """(the first aggregate seq whose row from the mirror has a device seq at or above
+    `lo_seq`, the aggregate's last seq): the device's rows in the aggregate are in device
+    order, so a binary search on the aggregate's sequences finds it."""
     filter_subject = f"fleet.{target.device.device_id}.>"
 
     async def device_seq_at(agg_seq: int) -> tuple[int, int] | None:
@@ -50,28 +73,23 @@ async def _in_aggregate_range(
 
     info = await js.stream_info(target.aggregate)
     low, high = info.state.first_seq, info.state.last_seq + 1
-    while low < high:  # the first aggregate seq whose mirror row has device seq >= lo_seq
+    while low < high:
         mid = (low + high) // 2
         found = await device_seq_at(mid)
         if found is None or found[1] >= lo_seq:
             high = mid
         else:
             low = found[0] + 1
-    held: set[int] = set()
-    seq = low
-    while seq <= info.state.last_seq:
-        msgs = await _direct(nc, api, target.aggregate, seq, subject=filter_subject, batch=_BATCH)
-        if not msgs:
-            break
-        for msg in msgs:
-            origin = _source(msg)
-            if origin is not None and origin[0] == target.mirror:
-                if origin[1] > hi_seq:
-                    return held
-                if origin[1] >= lo_seq:
-                    held.add(origin[1])
-        seq = msgs[-1].seq + 1
-    return held
+    return low, info.state.last_seq
+
+
+async def sourced_below(
+    js: JetStreamContext, nc: Client, api: str, target: Target, seq: int
+) -> int | None:
+    """The highest mirror sequence below `seq` the aggregate sourced from the mirror (None:
+    none it still holds)."""
+    at, _ = await _first_at_or_after(js, nc, api, target, seq)
+    return await sourced_row(nc, api, target, at, before=True)
 
 
 async def sourced_row(

@@ -100,6 +100,7 @@ class MirrorGaps:
     pending: Ranges = field(default_factory=list)  # the island has not answered yet
     pending_since: str | None = None  # hub time the oldest pending gap was first seen
     checked_at: str = ""
+    head: int = 0  # the mirror's first sequence when it was last compared with the aggregate
 
     @property
     def in_aggregate(self) -> int:

@@ -17,6 +17,8 @@ as *deleted* and never asks for it again. The island still holds it, so the hub 
   Each aggregate sources ``FLEET_REFILL`` with the transform ``refill.<aggregate>.*.*.>`` →
   ``fleet.>``, so a refilled reading reaches the aggregate as ``fleet.<device>.<subject>``
   like every other, for the ingest and any other hub consumer;
+- **a mirror made again** (its node lost its store) starts, empty, at the island consumer's
+  floor: what the aggregate lacks below it is refilled too (its ``head`` in ``FLEET_GAPS``);
 - **rows deleted from an aggregate by hand** (its sources have moved past them) are found
   through the mirrors that still hold them and put back through ``FLEET_REFILL`` the same way;
 - **never twice**: a sequence the mirror lost but the aggregate still holds (a hub power cut
@@ -55,7 +57,7 @@ from edge_agent.protocol.units import utc_now_iso
 from hub_ingest.core.buckets import open_bucket
 from hub_ingest.core.config import HubConfig
 from hub_ingest.core.gather import gather_bounded
-from hub_ingest.fleet.aggregate_rows import in_aggregate, sourced_all, sourced_row
+from hub_ingest.fleet.aggregate_rows import in_aggregate, sourced_all, sourced_below, sourced_row
 from hub_ingest.fleet.gaps import (
     BUCKET,
     MSG_ID_HEADER,
@@ -67,7 +69,7 @@ from hub_ingest.fleet.gaps import (
     refilled_seqs,
     to_ranges,
 )
-from hub_ingest.fleet.requests import ask, ask_json, deleted_seqs, deleted_states, seq_of
+from hub_ingest.fleet.requests import Listed, ask, ask_json, deleted_seqs, seq_of, stream_states
 
 log = structlog.get_logger(__name__)
 
@@ -114,6 +116,8 @@ class Refiller:
     aggregate_done: dict[str, set[int]] = field(default_factory=dict)
     # mirror → when its tail was last compared with the island consumer's floor (monotonic)
     tail_checked: dict[str, float] = field(default_factory=dict)
+    # mirror → its first sequence when its head was last checked
+    heads: dict[str, int] = field(default_factory=dict)
     _linked: set[str] = field(default_factory=set)
     _kv: KeyValue | None = None
     _next: float = 0.0
@@ -134,31 +138,68 @@ class Refiller:
         if self._kv is None:
             self._kv = await open_bucket(self.js, BUCKET, replicas=self.config.replicas)
         aggregates = {t.aggregate for t in mirrors.values()}
-        states = await deleted_states(self.js, set(mirrors) | aggregates)
+        listed = await stream_states(self.nc, self.api, set(mirrors) | aggregates)
+        states = {name: s.range for name, s in listed.items() if s.deleted}
         await self._heal_aggregates(
             {name: s for name, s in states.items() if name in aggregates}, mirrors
         )
+        await self._check_heads({n: s for n, s in listed.items() if n in mirrors}, mirrors)
         due = []
-        for name, state in states.items():
-            if name not in mirrors:
-                continue
+        for name, target in mirrors.items():
+            state = states.get(name)
             tried = self.pending.get(name)
             retry = tried is not None and (
-                mirrors[name].device.device_id in linked or now - tried >= RETRY_S
+                target.device.device_id in linked or now - tried >= RETRY_S
             )
-            if self.seen.get(name) != state or retry:
+            if (state is not None and self.seen.get(name) != state) or retry:
                 due.append((name, state))
 
-        async def heal(name: str, state: tuple[int, int, int]) -> None:
-            gaps = await self.heal(mirrors[name])
-            self.seen[name] = state
-            if gaps.pending:
-                self.pending[name] = time.monotonic()
-            else:
-                self.pending.pop(name, None)
+        async def heal(name: str, state: tuple[int, int, int] | None) -> None:
+            await self.heal(mirrors[name])
+            if state is not None:
+                self.seen[name] = state
 
         await gather_bounded((heal(name, state) for name, state in due), CONCURRENT)
         await self._check_tails(mirrors, linked, now)
+
+    async def _check_heads(
+        self, listed: Mapping[str, Listed], mirrors: Mapping[str, Target]
+    ) -> None:
+        """A mirror made again (its node lost its store, or it was deleted and provisioned
+        anew) binds at the island consumer's floor and starts there, empty: what the old one
+        held but the aggregate had not sourced yet shows nowhere as deleted. Each time a
+        mirror's first sequence moves other than by its own limits, the rows the aggregate
+        has from below it are compared with it, and what lies between is refilled."""
+        due = [
+            (mirrors[name], state.first)
+            for name, state in listed.items()
+            if state.first > max(self.heads.get(name, 1), 1)
+            and not state.near_limits(self.config.aggregates)
+        ]
+
+        async def check(target: Target, first: int) -> None:
+            record = await self._record(target)
+            if record.head != first:
+                await self._check_head(target, first)
+            self.heads[target.mirror] = first
+
+        await gather_bounded((check(target, first) for target, first in due), CONCURRENT)
+
+    async def _check_head(self, target: Target, first: int) -> None:
+        below = await sourced_below(self.js, self.nc, self.api, target, first)
+        aggregate_first = (await self.js.stream_info(target.aggregate)).state.first_seq
+        if below is None and aggregate_first > 1:
+            # The mirror's earlier rows may have aged out of the aggregate; only the
+            # archive could tell them from skipped ones.
+            log.warning("mirror_head_unknown", mirror=target.mirror, first=first)
+            skipped: set[int] = set()
+        else:
+            skipped = set(range((below or 0) + 1, first))
+        if skipped:
+            log.warning(
+                "mirror_head_skipped", mirror=target.mirror, first=min(skipped), last=first - 1
+            )
+        await self.heal(target, skipped, head=first)
 
     async def _check_tails(
         self, mirrors: Mapping[str, Target], linked: set[str], now: float
@@ -206,12 +247,16 @@ class Refiller:
             log.warning("mirror_tail_skipped", mirror=target.mirror, first=min(tail), last=floor)
             await self.heal(target, tail)
 
-    async def heal(self, target: Target, tail: set[int] | None = None) -> MirrorGaps:
-        """Refill what `target`'s mirror skipped (and the sequences of a skipped `tail`);
-        record and return what became of it."""
+    async def heal(
+        self, target: Target, tail: set[int] | None = None, *, head: int | None = None
+    ) -> MirrorGaps:
+        """Refill what `target`'s mirror skipped, what is still pending, and the sequences
+        of a skipped `tail` or head; record (with the mirror's `head` when it was checked)
+        and return what became of it."""
         assert self._kv is not None
         before = await self._record(target)
         deleted = await deleted_seqs(self.nc, self.api, target.mirror) | (tail or set())
+        deleted |= expand(before.pending)
         done = await refilled_seqs(self.js, target.mirror)
         lost = {reason: expand(r) for reason, r in before.lost.items()}
         kept = expand(before.kept)
@@ -240,7 +285,12 @@ class Refiller:
             pending=to_ranges(pending),
             pending_since=(before.pending_since or utc_now_iso()) if pending else None,
             checked_at=utc_now_iso(),
+            head=before.head if head is None else head,
         )
+        if pending:
+            self.pending[target.mirror] = time.monotonic()
+        else:
+            self.pending.pop(target.mirror, None)
         if dataclasses.replace(gaps, checked_at=before.checked_at) != before:
             await self._kv.put(target.mirror, gaps.to_json())
             log.info(

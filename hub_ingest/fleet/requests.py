@@ -8,14 +8,17 @@ import contextlib
 import json
 import secrets
 from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.js import JetStreamContext
 
 from edge_agent.protocol.names import hub_reply_prefix
+from edge_agent.protocol.units import parse_time
+from hub_ingest.core.config import AggregatesConfig
 from hub_ingest.fleet.registry import Device
 
 
@@ -63,17 +66,52 @@ async def ask_json(nc: Client, device: Device, subject: str, *, timeout: float) 
     return answer
 
 
-async def deleted_states(js: JetStreamContext, names: set[str]) -> dict[str, tuple[int, int, int]]:
-    """(first, last, deleted) of each of the streams `names` that has deleted sequences."""
-    states: dict[str, tuple[int, int, int]] = {}
-    offset = 0
-    while page := await js.streams_info(offset=offset):
-        offset += len(page)
+@dataclass(frozen=True, slots=True)
+class Listed:
+    """A stream's state as the stream list gives it."""
+
+    first: int
+    last: int
+    deleted: int
+    bytes: int
+    first_time: datetime | None  # store time of its first message
+
+    @property
+    def range(self) -> tuple[int, int, int]:
+        return self.first, self.last, self.deleted
+
+    def near_limits(self, limits: AggregatesConfig) -> bool:
+        """Whether a hub mirror's limits (the aggregates', which keep its rows at least as
+        long) may have cut its head, rather than a loss."""
+        if limits.max_bytes > 0 and self.bytes >= limits.max_bytes * 0.9:
+            return True
+        if limits.max_age > 0 and self.first_time is not None:
+            return (datetime.now(UTC) - self.first_time).total_seconds() >= limits.max_age * 0.9
+        return False
+
+
+async def stream_states(nc: Client, api: str, names: set[str]) -> dict[str, Listed]:
+    """The state of each of the streams `names` that exists (one paged ``STREAM.LIST``)."""
+    states: dict[str, Listed] = {}
+    offset, total = 0, 1
+    while offset < total:
+        request = json.dumps({"offset": offset}).encode()
+        reply = json.loads((await nc.request(f"{api}.STREAM.LIST", request, timeout=10)).data)
+        if "error" in reply:
+            raise ValueError(f"{api}.STREAM.LIST: {reply['error'].get('description')}")
+        page = reply.get("streams") or []
+        offset, total = offset + len(page), int(reply.get("total", 0)) if page else 0
         for info in page:
-            name = info.config.name or ""
-            deleted = info.state.num_deleted or 0
-            if name in names and deleted:
-                states[name] = (info.state.first_seq, info.state.last_seq, deleted)
+            name = (info.get("config") or {}).get("name", "")
+            state = info.get("state") or {}
+            if name in names:
+                states[name] = Listed(
+                    int(state.get("first_seq", 0)),
+                    int(state.get("last_seq", 0)),
+                    int(state.get("num_deleted", 0)),
+                    int(state.get("bytes", 0)),
+                    parse_time(state.get("first_ts")),
+                )
     return states
 
 

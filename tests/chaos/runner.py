@@ -28,7 +28,7 @@ from nats.js.errors import APIError
 
 from edge_agent.island.server import pid_file
 from edge_agent.island.streams import incarnations
-from edge_agent.protocol.names import TELEMETRY, command_stream, hub_consumer
+from edge_agent.protocol.names import COMMAND_MIRROR, TELEMETRY, command_stream, hub_consumer
 from edge_agent.status.health import collect_status
 from hub_ingest.commands.send import Envelope, new_envelope, send
 from hub_ingest.fleet.gaps import REFILL_HEADER
@@ -337,7 +337,10 @@ class Chaos:
         expected = self._expected_runs()
 
         async def answered() -> bool:
-            return expected <= set(await self._results())
+            missing = expected - set(await self._results())
+            if missing:
+                raise AssertionError(await self._unanswered(missing))
+            return True
 
         await eventually(answered, timeout=120, interval=1.0, what="every command's result")
         for node in self.nodes.values():
@@ -346,6 +349,33 @@ class Chaos:
                 timeout=60,
                 what=f"{node.id}'s outbox empty",
             )
+
+    async def _unanswered(self, missing: set[tuple[str, str]]) -> str:
+        """Shown if the deadline passes: each command without a result, whether it ran, and
+        where its device's command streams stand (hub origin, island mirror)."""
+        ran = set(tuple(line.split()) for line in self.runs_file.read_text().splitlines())
+        lines = [f"{d} {c} ran={(d, c) in ran}" for d, c in sorted(missing)]
+        for device_id in sorted({d for d, _ in missing}):
+            origin = (await self.hub.js.stream_info(command_stream(device_id))).state
+            mirror = (await self.nodes[device_id].device.js.stream_info(COMMAND_MIRROR)).state
+            events = (await self.nodes[device_id].device.js.stream_info("EVENTS")).state
+            name = await self.hub.mirror(device_id, "EVENTS")
+            hub_mirror = await self.hub.js.stream_info(name)
+            aggregate = await self.hub.js.stream_info(
+                "FLEET_EVENTS", subjects_filter=f"fleet.{device_id}.evt.>"
+            )
+            sourced = [s for s in aggregate.sources or [] if s.name == name]
+            in_aggregate = sum((aggregate.state.subjects or {}).values())
+            lines.append(
+                f"{device_id}: origin {origin.first_seq}..{origin.last_seq} "
+                f"({origin.messages}), island mirror {mirror.first_seq}..{mirror.last_seq} "
+                f"({mirror.messages}); island EVENTS {events.first_seq}..{events.last_seq}, "
+                f"{name} {hub_mirror.state.first_seq}..{hub_mirror.state.last_seq} "
+                f"({hub_mirror.state.messages}, {hub_mirror.mirror}, leader "
+                f"{hub_mirror.cluster and hub_mirror.cluster.leader}), FLEET_EVENTS holds "
+                f"{in_aggregate} of it, its source: {sourced}"
+            )
+        return "; ".join(lines)
 
     async def _caught_up(self, node: Node) -> bool:
         aggregate = await self.hub.js.stream_info(
