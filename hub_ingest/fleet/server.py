@@ -50,10 +50,6 @@ leafnodes {{
   # Devices dial the URLs in their own config (a load balancer, a NAT address); without
   # this the hub gossips its internal listen address and devices reconnect around it.
   no_advertise: true
-  # A device needs none of the others' interest: without this each subscription one
-  # island makes is checked against, and sent to, every other link, which after a restart
-  # costs the hub a pass over the fleet per subscription (quadratic).
-  isolate_leafnode_interest: true
 {_leaf_tls_block(srv.leaf_tls)}}}
 {_cluster_block(config)}"""
 
