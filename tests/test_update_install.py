@@ -134,8 +134,9 @@ async def test_a_rollout_reaches_the_devices_that_were_offline_when_it_started(
         for device, _ in devices.values():
             assert device.current == NEXT_VERSION and device.running == NEXT_VERSION
             assert device.restarts >= 1
-            status = await device.status()
-            assert status is not None and status["healthy"]
+            # Ends healthy with its link up: a link that just came back may drop once more
+            # while a loaded hub accepts the others (seen in CI the second the rollout ended).
+            await eventually(device.healthy, timeout=60, what=f"{device.config_path} healthy")
 
 
 async def test_a_canary_that_fails_its_health_gate_is_rolled_back_and_the_rollout_stops(

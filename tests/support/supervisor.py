@@ -86,6 +86,10 @@ class InstalledDevice:
         out, _ = await proc.communicate()
         return json.loads(out) if proc.returncode == 0 else None
 
+    async def healthy(self) -> bool:
+        status = await self.status()
+        return status is not None and bool(status["healthy"])
+
     async def close(self) -> None:
         self._stopping = True
         if self._proc is not None and self._proc.returncode is None:
