@@ -6,7 +6,6 @@ the fleet's streams carry, would be rewritten or would store fleet messages a se
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 from typing import Any
 
@@ -18,7 +17,7 @@ from edge_agent.protocol.names import HUB_COMMANDS
 from hub_ingest.core.errors import ProvisionError
 from hub_ingest.core.gather import REQUESTS_AT_ONCE, gather_bounded
 from hub_ingest.fleet.gaps import REFILL_STREAM
-from hub_ingest.fleet.streams import MANAGED_BY, shard_of
+from hub_ingest.fleet.streams import MANAGED_BY, shard_of, stream_list
 
 # Subjects the fleet's streams carry (devices' `tele.>` and `evt.>`, the aggregates' `fleet.>`,
 # commands) and the deliveries of mirrors across the link (`names.to_hub_prefix`,
@@ -92,18 +91,7 @@ async def _stream_info(js: JetStreamContext, name: str) -> StreamInfo | None:
 
 async def _streams_on(js: JetStreamContext, subject: str) -> list[StreamInfo]:
     """The streams whose subjects overlap `subject` (the server's STREAM.LIST filter)."""
-    found: list[StreamInfo] = []
-    while True:
-        # nats-py has no public call for the listing's subject filter.
-        page = await js._api_request(
-            f"{js._prefix}.STREAM.LIST",
-            json.dumps({"subject": subject, "offset": len(found)}).encode(),
-            timeout=js._timeout,
-        )
-        streams = page.get("streams") or []
-        found += [StreamInfo.from_response(info) for info in streams]
-        if not streams or len(found) >= page.get("total", 0):
-            return found
+    return [StreamInfo.from_response(info) for info in await stream_list(js, subject)]
 
 
 async def check_foreign_streams(js: JetStreamContext, *, adopt: bool = False) -> None:

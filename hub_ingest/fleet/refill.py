@@ -138,7 +138,7 @@ class Refiller:
         if self._kv is None:
             self._kv = await open_bucket(self.js, BUCKET, replicas=self.config.replicas)
         aggregates = {t.aggregate for t in mirrors.values()}
-        listed = await stream_states(self.nc, self.api, set(mirrors) | aggregates)
+        listed = await stream_states(self.js, set(mirrors) | aggregates)
         states = {name: s.range for name, s in listed.items() if s.deleted}
         await self._heal_aggregates(
             {name: s for name, s in states.items() if name in aggregates}, mirrors

@@ -15,11 +15,13 @@ from typing import Any
 import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.js import JetStreamContext
 
 from edge_agent.protocol.names import hub_reply_prefix
 from edge_agent.protocol.units import parse_time
 from hub_ingest.core.config import AggregatesConfig
 from hub_ingest.fleet.registry import Device
+from hub_ingest.fleet.streams import stream_list
 
 
 def seq_of(msg: Msg) -> int:
@@ -90,28 +92,20 @@ class Listed:
         return False
 
 
-async def stream_states(nc: Client, api: str, names: set[str]) -> dict[str, Listed]:
+async def stream_states(js: JetStreamContext, names: set[str]) -> dict[str, Listed]:
     """The state of each of the streams `names` that exists (one paged ``STREAM.LIST``)."""
     states: dict[str, Listed] = {}
-    offset, total = 0, 1
-    while offset < total:
-        request = json.dumps({"offset": offset}).encode()
-        reply = json.loads((await nc.request(f"{api}.STREAM.LIST", request, timeout=10)).data)
-        if "error" in reply:
-            raise ValueError(f"{api}.STREAM.LIST: {reply['error'].get('description')}")
-        page = reply.get("streams") or []
-        offset, total = offset + len(page), int(reply.get("total", 0)) if page else 0
-        for info in page:
-            name = (info.get("config") or {}).get("name", "")
-            state = info.get("state") or {}
-            if name in names:
-                states[name] = Listed(
-                    int(state.get("first_seq", 0)),
-                    int(state.get("last_seq", 0)),
-                    int(state.get("num_deleted", 0)),
-                    int(state.get("bytes", 0)),
-                    parse_time(state.get("first_ts")),
-                )
+    for info in await stream_list(js):
+        name = (info.get("config") or {}).get("name", "")
+        state = info.get("state") or {}
+        if name in names:
+            states[name] = Listed(
+                int(state.get("first_seq", 0)),
+                int(state.get("last_seq", 0)),
+                int(state.get("num_deleted", 0)),
+                int(state.get("bytes", 0)),
+                parse_time(state.get("first_ts")),
+            )
     return states
 
 

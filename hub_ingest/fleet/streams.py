@@ -6,7 +6,9 @@ ingest, the report, the audit and the commands only need their names.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from typing import Any
 
 from nats.js import JetStreamContext
 
@@ -48,6 +50,22 @@ async def stream_names(js: JetStreamContext) -> list[str]:
     while page := await js.streams_info(offset=len(names)):
         names.extend(info.config.name or "" for info in page)
     return sorted(set(names))
+
+
+async def stream_list(js: JetStreamContext, subject: str | None = None) -> list[dict[str, Any]]:
+    """Every stream's info as the server lists it, all pages; with `subject`, the streams
+    whose subjects overlap it. Raw: nats-py has no call for the subject filter, and its
+    `StreamState` drops the first message's time."""
+    found: list[dict[str, Any]] = []
+    while True:
+        body = {"offset": len(found)} | ({"subject": subject} if subject else {})
+        page = await js._api_request(
+            f"{js._prefix}.STREAM.LIST", json.dumps(body).encode(), timeout=js._timeout
+        )
+        streams = page.get("streams") or []
+        found += streams
+        if not streams or len(found) >= page.get("total", 0):
+            return found
 
 
 async def aggregate_stream_names(js: JetStreamContext) -> list[str]:
