@@ -44,12 +44,14 @@ from edge_agent.core.notify import Notifier
 from edge_agent.core.statedb import StateDB
 from edge_agent.island.compression import LinkCompression
 from edge_agent.island.link import LinkTracker, write_clock
+from edge_agent.island.packer import Packer
 from edge_agent.island.server import STOP_TIMEOUT_S, Island
 from edge_agent.island.streams import reconcile
 from edge_agent.outbox.drain import Drainer
 from edge_agent.outbox.store import Outbox
 from edge_agent.protocol.files import write_json
 from edge_agent.protocol.names import EVENTS, command_stream, inbox_prefix
+from edge_agent.protocol.pack import READINGS
 from edge_agent.protocol.units import utc_now_iso
 from edge_agent.status.health import Status, collect_status, heartbeat_payload, with_drain_rates
 from edge_agent.status.metrics import write_textfile
@@ -133,6 +135,7 @@ class Agent:
         self.outbox: Outbox | None = None
         self.drainer: Drainer | None = None
         self.executor: Executor | None = None
+        self.packer: Packer | None = None
         self._db: StateDB | None = None
         self._reconcile_needed = asyncio.Event()
         self._island_was_fresh: bool | None = None  # EVENTS created by the first reconcile
@@ -231,7 +234,7 @@ class Agent:
         hub_js = self._nc.jetstream(domain=self.config.hub.domain, timeout=2.0)
         if not await fence.load():
             self._spawn(tg, self._after_ready(lambda: self._learn_fence(fence, js, hub_js)))
-        self._spawn(tg, self._reconcile_loop(js))
+        self._spawn(tg, self._reconcile_loop(tg, js))
         self._spawn(tg, self._every(self.config.agent.link_poll_interval, self._poll_link))
         self._spawn(tg, self.drainer.run())
         self._spawn(tg, self._every(self.config.agent.heartbeat_interval, self._heartbeat))
@@ -269,7 +272,7 @@ class Agent:
         self.restart_requested = True
         self.shutdown.set()
 
-    async def _reconcile_loop(self, js: JetStreamContext) -> None:
+    async def _reconcile_loop(self, tg: asyncio.TaskGroup, js: JetStreamContext) -> None:
         while True:
             await self._reconcile_needed.wait()
             self._reconcile_needed.clear()
@@ -286,6 +289,9 @@ class Agent:
                 self._island_was_fresh = any(
                     r.name == EVENTS and r.change == "created" for r in results
                 )
+                if any(r.name == READINGS for r in results):  # telemetry crosses in packs
+                    self.packer = Packer(js, self.config.island.max_payload)
+                    self._spawn(tg, self.packer.run())
             if not self.ready.is_set():
                 self.notifier.ready()
                 running = {"version": __version__, "pid": os.getpid(), "ready_at": utc_now_iso()}

@@ -3,6 +3,10 @@
 - ``TELEMETRY`` (``tele.>``) and ``EVENTS`` (``evt.>``): outbound, file storage, each with its
   own byte budget. JetStream reserves a stream's ``max_bytes`` in the store, so telemetry
   pressure can never evict events or results: it only drops the oldest telemetry.
+- With ``hub.pack``, apps' ``tele.>`` goes to ``READINGS`` instead, and ``TELEMETRY`` holds
+  packs of its readings (``pack.tele``, made by `edge_agent.outbox.packer`), half of the
+  telemetry budget each. Whether an island packs is fixed when its ``TELEMETRY`` is made: an
+  existing stream keeps what it holds, whatever the configuration says now.
 - ``COMMANDS``: a mirror of the hub's ``CMD_<device_id>`` (the device's slice of the hub's
   ``COMMANDS``: ``cmd.<device_id>.>`` and ``cmd.all.>``) through ``$JS.<hub-domain>.API``, so
   commands keep arriving into local storage and stay readable while the link is down. The
@@ -51,6 +55,7 @@ from edge_agent.protocol.names import (
     hub_deliver_subject,
     island_deliver_subject,
 )
+from edge_agent.protocol.pack import PACK_SUBJECT, READINGS
 from edge_agent.protocol.reconcile import (
     MIRROR_WINDOW,
     Reconciled,
@@ -85,10 +90,20 @@ def _outbound(
     )
 
 
+def _telemetry(config: Config, incarnation: str | None, packed: bool) -> list[StreamConfig]:
+    budget = config.streams.telemetry
+    if not packed:
+        return [_outbound(TELEMETRY, "tele.>", budget, incarnation)]
+    half = StreamBudget(budget.max_bytes // 2, budget.max_age)
+    readings = _outbound(READINGS, "tele.>", half, None)
+    return [readings, _outbound(TELEMETRY, PACK_SUBJECT, half, incarnation)]
+
+
 def desired_streams(
-    config: Config, incarnations: Mapping[str, str] | None = None
+    config: Config, incarnations: Mapping[str, str] | None = None, *, packed: bool = False
 ) -> list[StreamConfig]:
-    """The streams the island must have, as configured (outbound ones in `incarnations`)."""
+    """The streams the island must have, as configured (outbound ones in `incarnations`);
+    `packed`: its telemetry crosses in packs."""
     incarnations = incarnations or {}
     mirror = StreamSource(
         name=command_stream(config.device_id),
@@ -100,7 +115,7 @@ def desired_streams(
         ),
     )
     return [
-        _outbound(TELEMETRY, "tele.>", config.streams.telemetry, incarnations.get(TELEMETRY)),
+        *_telemetry(config, incarnations.get(TELEMETRY), packed),
         _outbound(EVENTS, "evt.>", config.streams.events, incarnations.get(EVENTS)),
         StreamConfig(
             name=COMMAND_MIRROR,
@@ -116,27 +131,46 @@ def desired_streams(
 
 
 UNCOMPRESSED_WINDOW = 1_000  # nats-server's default max_ack_pending
+PACK_WINDOW = 8  # packs of up to PACK_BYTES: 32-256 KiB, a 2 Mbit/s link's 0.1-1 s
 
 
-def uplink_window(config: Config) -> int:
+def uplink_window(config: Config, packed: bool = False) -> int:
     """Deliveries the hub's mirrors may have in flight over this device's link.
 
     Whatever else goes up the link (fast resume's reads of the hub's commands, status
     requests) queues behind them. Compressed, a reading takes ~50 bytes of the link and
     `MIRROR_WINDOW` pays (a command still started within 2.2 s on a 256 kbit/s link).
     Uncompressed, it takes ~400: on that link a command waited 30 s behind 10,000 and
-    7.8-14 s behind the server's default of 1,000, kept for uncompressed links."""
+    7.8-14 s behind the server's default of 1,000, kept for uncompressed links. A pack holds
+    many readings, so the window of a packed stream is counted in packs."""
+    if packed:
+        return PACK_WINDOW
     return MIRROR_WINDOW if link_mode(config) != OFF else UNCOMPRESSED_WINDOW
 
 
-def hub_consumer_config(config: Config, stream: str, incarnation: str) -> ConsumerConfig:
+def hub_consumer_config(
+    config: Config, stream: str, incarnation: str, packed: bool = False
+) -> ConsumerConfig:
     """The consumer the hub's mirror of `stream` binds to, for this incarnation."""
     return mirror_consumer(
         hub_consumer(incarnation),
         hub_deliver_subject(config.device_id, incarnation, stream),
         MANAGED_BY,
-        uplink_window(config),
+        uplink_window(config, packed and stream == TELEMETRY),
     )
+
+
+async def packs_telemetry(js: JetStreamContext, config: Config) -> bool:
+    """Whether the island's telemetry crosses in packs: as its ``TELEMETRY`` holds, or, for
+    one not made yet, as configured (``hub.pack``)."""
+    try:
+        subjects = (await js.stream_info(TELEMETRY)).config.subjects or []
+    except NotFoundError:
+        return config.hub.pack
+    packed = subjects == [PACK_SUBJECT]
+    if packed != config.hub.pack:
+        log.warning("telemetry_packing_kept", packed=packed, configured=config.hub.pack)
+    return packed
 
 
 async def incarnations(js: JetStreamContext) -> dict[str, str | None]:
@@ -182,12 +216,14 @@ async def reconcile(js: JetStreamContext, config: Config) -> list[Reconciled]:
     fresh = new_incarnation()
     try:
         found = await incarnations(js)
+        packed = await packs_telemetry(js, config)
         chosen = {name: found[name] or fresh for name in OUTBOUND}
         if new := [name for name in OUTBOUND if found[name] is None]:
             log.info("incarnation_started", incarnation=fresh, streams=new)
-        results = [await reconcile_stream(js, want) for want in desired_streams(config, chosen)]
+        wanted = desired_streams(config, chosen, packed=packed)
+        results = [await reconcile_stream(js, want) for want in wanted]
         for name, incarnation in chosen.items():
-            await js.add_consumer(name, hub_consumer_config(config, name, incarnation))
+            await js.add_consumer(name, hub_consumer_config(config, name, incarnation, packed))
     except APIError as exc:
         raise StreamError(f"island streams: {exc.description} (code {exc.err_code})") from exc
     for result in results:

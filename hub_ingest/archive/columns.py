@@ -9,8 +9,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+import structlog
+
+from edge_agent.protocol.pack import PACK_HEADER, PackError, decode
 from hub_ingest.core.errors import IngestError
 from hub_ingest.fleet.gaps import REFILL_HEADER
+
+log = structlog.get_logger(__name__)
 
 _NO_TEXT = pa.scalar(None, pa.string())
 
@@ -109,6 +114,48 @@ def origin_of(headers: pa.MapArray) -> Origin:
         subject=subject,
         time=timestamps(time),
     )
+
+
+# Per reading, from its pack; the other columns are the pack's own.
+_READING_COLUMNS = ("subject", "device_seq", "device_time", "headers", "payload")
+
+
+def unpack(columns: dict[str, pa.Array], schema: pa.Schema) -> dict[str, pa.Array]:
+    """Rows with each pack (``Edge-Pack``) replaced by one row per reading in it: its own
+    sequence, subject, store time, headers and payload. A pack that cannot be read stays one
+    row, as it came (and is logged): nothing is dropped."""
+    packed = header_values(columns["headers"], PACK_HEADER)
+    if packed.null_count == len(packed):
+        return columns
+    rows: list[int] = []
+    readings: dict[str, list[object]] = {name: [] for name in _READING_COLUMNS}
+    own = {name: columns[name].to_pylist() for name in _READING_COLUMNS}
+    own["device_time"] = pc.cast(columns["device_time"], pa.int64()).to_pylist()  # µs
+    for i, (header, body) in enumerate(zip(packed.to_pylist(), own["payload"], strict=True)):
+        try:
+            inside = decode(body) if header is not None else None
+        except PackError as exc:
+            log.error("pack_unreadable", hub_seq=columns["hub_seq"][i].as_py(), error=str(exc))
+            inside = None
+        if inside is None:
+            rows.append(i)
+            for name in _READING_COLUMNS:
+                readings[name].append(own[name][i])
+            continue
+        for r in inside:
+            rows.append(i)
+            readings["subject"].append(r.subject)
+            readings["device_seq"].append(r.seq)
+            readings["device_time"].append(r.time_ns // 1000)
+            readings["headers"].append(list(r.headers.items()))
+            readings["payload"].append(r.data)
+    taken = pa.array(rows, pa.int64())
+    out = {name: pc.take(array, taken) for name, array in columns.items()}
+    for name, values in readings.items():
+        kind = schema.field(name).type
+        raw = pa.int64() if name == "device_time" else kind
+        out[name] = pa.array(values, raw).cast(kind)
+    return out
 
 
 def header_values(headers: pa.MapArray, name: str) -> pa.Array:

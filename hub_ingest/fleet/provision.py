@@ -47,6 +47,7 @@ from edge_agent.protocol.names import (
     hub_deliver_subject,
     island_deliver_subject,
 )
+from edge_agent.protocol.pack import PACK_SUBJECT
 from edge_agent.protocol.reconcile import Reconciled, mirror_consumer, reconcile_stream
 from edge_agent.protocol.release import RELEASES_BUCKET, ROLLOUT_BUCKET
 from edge_agent.protocol.units import parse_time
@@ -181,13 +182,12 @@ def device_sources(aggregate: Aggregate, device: Device) -> list[StreamSource]:
 def device_source(aggregate: Aggregate, device: Device, incarnation: Incarnation) -> StreamSource:
     # From the hub's own mirror, not over the link again: each message crosses the link
     # once, and an aggregate row never gets ahead of the device time the ingest looks up.
+    # A packed stream holds one subject; the transform is per incarnation, as changing an
+    # existing source's would make the server source it again from its start.
+    src = PACK_SUBJECT if incarnation.packed else f"{aggregate.prefix}.>"
     return StreamSource(
         name=mirror_name(device.device_id, incarnation),
-        subject_transforms=[
-            SubjectTransform(
-                src=f"{aggregate.prefix}.>", dest=f"{aggregate.subject_prefix(device.device_id)}.>"
-            )
-        ],
+        subject_transforms=[SubjectTransform(src=src, dest=f"fleet.{device.device_id}.{src}")],
     )
 
 

@@ -47,6 +47,7 @@ class Incarnation:
     # Commands stored in CMD_<id> up to this sequence predate the incarnation: a re-imaged
     # device answers them without running them (0 for the device's first incarnation).
     command_fence: int
+    packed: bool = False  # its stream holds packs of readings (`edge_agent.protocol.pack`)
 
 
 BUCKET = "FLEET_DEVICES"

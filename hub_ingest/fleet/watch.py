@@ -40,6 +40,7 @@ from edge_agent.protocol.names import (
     command_stream,
     island_name,
 )
+from edge_agent.protocol.pack import PACK_SUBJECT
 from edge_agent.protocol.units import utc_now_iso
 from hub_ingest.core.config import HubConfig
 from hub_ingest.fleet import rollout
@@ -56,9 +57,17 @@ ROLLOUT_S = 2.0
 RECHECK_S = 30.0  # a linked device is asked again this often, in case a reconnect was missed
 
 
-async def device_incarnations(nc: Client, device: Device) -> dict[str, str]:
-    """Incarnation id of each outbound stream on the device's island; {} when unreachable."""
-    found: dict[str, str] = {}
+@dataclass(frozen=True, slots=True)
+class Seen:
+    """An island's outbound stream as the hub found it."""
+
+    id: str  # its incarnation
+    packed: bool  # it holds packs of readings (`edge_agent.protocol.pack`)
+
+
+async def device_incarnations(nc: Client, device: Device) -> dict[str, Seen]:
+    """Incarnation of each outbound stream on the device's island; {} when unreachable."""
+    found: dict[str, Seen] = {}
     for stream in OUTBOUND:
         try:
             info = await ask_json(
@@ -69,9 +78,11 @@ async def device_incarnations(nc: Client, device: Device) -> dict[str, str]:
                 "incarnation_unknown", device_id=device.device_id, stream=stream, error=repr(exc)
             )
             continue
-        metadata = (info.get("config") or {}).get("metadata") or {}
+        config = info.get("config") or {}
+        metadata = config.get("metadata") or {}
         if isinstance(metadata.get(INCARNATION), str):
-            found[stream] = metadata[INCARNATION]
+            packed = config.get("subjects") == [PACK_SUBJECT]
+            found[stream] = Seen(metadata[INCARNATION], packed)
     return found
 
 
@@ -85,26 +96,26 @@ async def record(
     js: JetStreamContext,
     registry: Registry,
     device: Device,
-    seen: Mapping[str, str],
+    seen: Mapping[str, Seen],
 ) -> list[Incarnation]:
     """Record the incarnations in `seen` the hub does not know; the new ones. The caller
     provisions their streams, once for all the devices it records (one pass over the whole
     fleet each: per device, onboarding a fleet would grow with its square)."""
     new = []
-    for stream, incarnation_id in sorted(seen.items()):
-        if _known(device, stream, incarnation_id):
+    for stream, found in sorted(seen.items()):
+        if _known(device, stream, found):
             continue
         previous = device.current(stream)
-        incarnation = Incarnation(
-            stream, incarnation_id, utc_now_iso(), await _command_fence(js, device, stream)
-        )
+        fence = await _command_fence(js, device, stream)
+        incarnation = Incarnation(stream, found.id, utc_now_iso(), fence, found.packed)
         device = await registry.add_incarnation(device.device_id, incarnation)
         new.append(incarnation)
         log.info(
             "incarnation_changed" if previous else "incarnation_first_seen",
             device_id=device.device_id,
             stream=stream,
-            incarnation=incarnation_id,
+            incarnation=found.id,
+            packed=found.packed,
             previous=previous.id if previous else None,
             command_fence=incarnation.command_fence,
         )
@@ -129,8 +140,8 @@ async def observe(
     return new
 
 
-def _known(device: Device, stream: str, incarnation_id: str) -> bool:
-    return any((i.stream, i.id) == (stream, incarnation_id) for i in device.incarnations)
+def _known(device: Device, stream: str, seen: Seen) -> bool:
+    return any((i.stream, i.id) == (stream, seen.id) for i in device.incarnations)
 
 
 def _leaf_ids(leafz: Mapping[str, object]) -> dict[str, int]:

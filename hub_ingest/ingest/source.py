@@ -62,6 +62,7 @@ from hub_ingest.archive.columns import (
     origin_of,
     store_times,
     suspect,
+    unpack,
 )
 from hub_ingest.core import failpoints
 from hub_ingest.core.errors import ConfigError, DataLossError, IngestError
@@ -318,7 +319,7 @@ async def _read_range(options: SourceOptions, part: SeqRange) -> pa.RecordBatch:
     finally:
         await nc.close()
     hub = ack_stamps(got.acks)
-    columns = {
+    columns: dict[str, pa.Array] = {
         "device_id": device_id,
         "incarnation": incarnation,
         "subject": subject,
@@ -328,10 +329,16 @@ async def _read_range(options: SourceOptions, part: SeqRange) -> pa.RecordBatch:
         "device_time": device_time,
         "hub_time": hub.time,
         "device_clock_offset_s": offset,
-        "device_time_suspect": suspect(device_time, hub.time, offset, options.clock_tolerance),
         "headers": headers,
         "payload": pa.array(got.data, pa.binary()),
     }
+    columns = unpack(columns, ARROW_SCHEMA)
+    columns["device_time_suspect"] = suspect(
+        columns["device_time"],
+        columns["hub_time"],
+        columns["device_clock_offset_s"],
+        options.clock_tolerance,
+    )
     return pa.RecordBatch.from_pydict(columns, schema=ARROW_SCHEMA)
 
 

@@ -1,0 +1,162 @@
+"""The packer: the island's ``READINGS`` packed into ``TELEMETRY``, what the hub mirrors.
+
+It packs what the link is about to carry, not what arrives: while the hub's mirror has more
+than `LEAD` packs still to take (the link is down or full), it waits, and the readings wait
+in ``READINGS``; when the link drains them it packs the backlog in full packs. Over an idle
+link a reading crosses alone within `IDLE_S`.
+
+Its cursor is ``TELEMETRY`` itself: the last pack's ``Edge-Pack`` header names the last
+reading packed, and each pack is published expecting the stream's last sequence, so a
+restart (or a second packer) can neither pack a reading twice nor skip one. With no pack
+left (all aged out, and so every reading they held) it starts at the first reading there is.
+Readings the budget removed from ``READINGS`` before they were packed are counted
+(`skipped`, and the ``readings_skipped`` event).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass
+
+import nats.errors
+import structlog
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import APIError, NotFoundError
+
+from edge_agent.protocol.names import INCARNATION, TELEMETRY, hub_consumer
+from edge_agent.protocol.pack import (
+    PACK_HEADER,
+    PACK_SUBJECT,
+    READINGS,
+    Reading,
+    encode,
+    pack_range,
+)
+
+log = structlog.get_logger(__name__)
+
+PACK_READINGS = 256  # at most, per pack
+PACK_BYTES = 32 * 1024  # of payload per pack, at most (a larger reading goes alone)
+LEAD = 4  # packs made ahead of what the hub's mirror has been sent
+IDLE_S = 0.2  # the longest a reading waits for the packer when nothing is queued
+_RETRY_S = 1.0  # after an island error, before the packer starts again
+
+
+@dataclass(slots=True)
+class PackerStats:
+    packs: int = 0
+    readings: int = 0
+    skipped: int = 0  # removed from READINGS by its budget or max_age before being packed
+
+
+class Packer:
+    def __init__(self, js: JetStreamContext, max_payload: int) -> None:
+        self.js = js
+        self.max_payload = max_payload
+        self.stats = PackerStats()
+        self._held: list[Msg] = []  # fetched, not packed yet
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self._pack()
+            except (APIError, nats.errors.Error, TimeoutError) as exc:
+                log.warning("packer_restarting", error=repr(exc))
+                await asyncio.sleep(_RETRY_S)
+
+    async def _pack(self) -> None:
+        """Pack from the cursor on, until the island fails."""
+        info = await self.js.stream_info(TELEMETRY)
+        consumer = hub_consumer((info.config.metadata or {}).get(INCARNATION, ""))
+        last, cursor = info.state.last_seq, await self._cursor(info.state.messages)
+        sub = await self.js.pull_subscribe(
+            "",
+            stream=READINGS,
+            config=ConsumerConfig(
+                deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
+                opt_start_seq=cursor + 1,
+                ack_policy=AckPolicy.NONE,
+                inactive_threshold=60.0,
+            ),
+        )
+        self._held = []
+        try:
+            while True:
+                await self._await_room(consumer)
+                readings = await self._next(sub)
+                if not readings:
+                    continue
+                if readings[0].seq > cursor + 1:
+                    self._skipped(cursor, readings[0].seq)
+                last = await self._publish(readings, last)
+                cursor = readings[-1].seq
+        finally:
+            await sub.unsubscribe()
+
+    async def _cursor(self, packs: int) -> int:
+        """The last reading packed; with no pack left, the one before the first there is."""
+        if packs:
+            msg = await self.js.get_last_msg(TELEMETRY, PACK_SUBJECT, direct=True)
+            return pack_range((msg.headers or {})[PACK_HEADER])[1]
+        return max((await self.js.stream_info(READINGS)).state.first_seq - 1, 0)
+
+    async def _await_room(self, consumer: str) -> None:
+        """Until the hub's mirror has at most `LEAD` packs left to take."""
+        while True:
+            try:
+                pending = (await self.js.consumer_info(TELEMETRY, consumer)).num_pending
+            except NotFoundError:
+                pending = LEAD + 1  # not made yet: the reconcile is on its way
+            if pending <= LEAD:
+                return
+            await asyncio.sleep(IDLE_S)
+
+    async def _next(self, sub: JetStreamContext.PullSubscription) -> list[Reading]:
+        """The next pack's readings (none when nothing came within `IDLE_S`)."""
+        if len(self._held) < PACK_READINGS:
+            with contextlib.suppress(nats.errors.TimeoutError):  # nothing new: pack what is held
+                self._held += await sub.fetch(PACK_READINGS - len(self._held), timeout=IDLE_S)
+        taken, size = 0, 0
+        for msg in self._held:
+            if taken and size + len(msg.data) > PACK_BYTES:
+                break
+            taken, size = taken + 1, size + len(msg.data)
+        chosen, self._held = self._held[:taken], self._held[taken:]
+        return [_reading(m) for m in chosen]
+
+    async def _publish(self, readings: list[Reading], last: int) -> int:
+        body, headers = encode(readings)
+        if len(body) > self.max_payload:
+            # One reading near the island's max_payload: a pack cannot carry it.
+            log.error("reading_too_large_to_pack", seq=readings[0].seq, bytes=len(body))
+            self.stats.skipped += len(readings)
+            return last
+        headers["Nats-Expected-Last-Sequence"] = str(last)
+        ack = await self.js.publish(PACK_SUBJECT, body, stream=TELEMETRY, headers=headers)
+        self.stats.packs += 1
+        self.stats.readings += len(readings)
+        return ack.seq
+
+    def _skipped(self, cursor: int, first: int) -> None:
+        self.stats.skipped += first - cursor - 1
+        log.warning("readings_skipped", first=cursor + 1, last=first - 1, reason="budget")
+
+
+def _reading(msg: Msg) -> Reading:
+    # $JS.ACK.<stream>.<consumer>.<delivered>.<seq>.<consumer seq>.<time ns>.<pending>, or
+    # that with domain and account hash after ACK (and a token at the end).
+    tokens = msg.reply.split(".")
+    seq, time_ns = (tokens[5], tokens[7]) if len(tokens) == 9 else (tokens[7], tokens[9])
+    headers = {k: v for k, v in (msg.headers or {}).items() if not k.startswith("Nats-")}
+    if msg.headers and "Nats-Msg-Id" in msg.headers:
+        headers["Nats-Msg-Id"] = msg.headers["Nats-Msg-Id"]
+    return Reading(
+        seq=int(seq),
+        time_ns=int(time_ns),
+        subject=msg.subject,
+        data=msg.data,
+        headers=headers,
+    )

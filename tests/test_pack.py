@@ -1,0 +1,139 @@
+"""Packed telemetry (``hub.pack``): readings cross the link many to a message, and the archive
+still gets one row per reading, at its own device sequence, exactly once."""
+
+from __future__ import annotations
+
+import json
+import secrets
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+from pyspark.sql import SparkSession
+
+from edge_agent.protocol.pack import PACK_HEADER, PACK_SUBJECT, Reading, decode, encode
+from hub_ingest.archive import table
+from hub_ingest.archive.audit import audit_archive
+from hub_ingest.archive.columns import header_map, unpack
+from hub_ingest.ingest.source import ARROW_SCHEMA
+from hub_ingest.local.link import Shape
+from tests.support.cluster import Device, Hub, mirror_live, stream_messages
+from tests.support.ingest import ingest_config, run_once
+from tests.support.waiting import RESUME_TIMEOUT, eventually
+
+PACKED = {"hub": {"pack": True}}
+
+
+def packed_seqs(msgs: list[object]) -> list[int]:
+    """The reading sequences the packs among `msgs` hold, in order."""
+    seqs = []
+    for msg in msgs:
+        headers = getattr(msg, "headers", None) or {}
+        if PACK_HEADER in headers:
+            seqs += [r.seq for r in decode(getattr(msg, "data", b""))]
+    return seqs
+
+
+async def _publish(device: Device, first: int, count: int, noise: int = 0) -> None:
+    """Readings ``{"i": …}``, with `noise` random bytes (hex) that no link compresses away."""
+    for i in range(first, first + count):
+        reading = {"i": i, "noise": secrets.token_hex(noise // 2)}
+        await device.js.publish("tele.temp", json.dumps(reading).encode())
+
+
+async def _hub_holds(hub: Hub, device: Device, readings: int) -> bool:
+    msgs = await stream_messages(hub.js, "FLEET_TELEMETRY")
+    return len(packed_seqs(msgs)) >= readings
+
+
+def test_a_pack_keeps_each_reading_and_a_broken_one_stays_a_row() -> None:
+    readings = [
+        Reading(7, 1_764_000_000_123_456_789, "tele.a", b'{"v":1}', {"Nats-Msg-Id": "x"}),
+        Reading(9, 1_764_000_001_000_000_000, "tele.b.c", b""),
+    ]
+    body, headers = encode(readings)
+    assert decode(body) == readings
+    assert headers == {PACK_HEADER: "7 9 2"}
+
+    blocks = [
+        f"NATS/1.0\r\n{PACK_HEADER}: 7 9 2\r\n\r\n".encode(),
+        f"NATS/1.0\r\n{PACK_HEADER}: 1 1 1\r\n\r\n".encode(),  # a body that is no pack
+    ]
+    columns = {
+        "subject": pa.array(["pack.tele", "pack.tele"]),
+        "device_seq": pa.array([1, 2], pa.int64()),
+        "hub_seq": pa.array([10, 11], pa.int64()),
+        "device_time": pa.array([0, 0], pa.timestamp("us", tz="UTC")),
+        "headers": header_map(pa.array(blocks, pa.binary())),
+        "payload": pa.array([body, b"not a pack"], pa.binary()),
+    }
+    out = unpack(columns, ARROW_SCHEMA)
+    assert out["device_seq"].to_pylist() == [7, 9, 2]
+    assert out["subject"].to_pylist() == ["tele.a", "tele.b.c", "pack.tele"]
+    assert out["hub_seq"].to_pylist() == [10, 10, 11]
+    assert out["payload"].to_pylist() == [b'{"v":1}', b"", b"not a pack"]
+    assert out["headers"].to_pylist()[0] == [("Nats-Msg-Id", "x")]
+    first = out["device_time"].cast(pa.int64()).to_pylist()[0]
+    assert first == 1_764_000_000_123_456
+
+
+@pytest.mark.timeout(300)
+async def test_a_backlog_crosses_in_packs_and_is_archived_one_row_per_reading(
+    hub: Hub, spark: SparkSession, tmp_path: Path
+) -> None:
+    device = await hub.device("p1", register_when_ready=True, sections=PACKED)
+    mirror = await hub.mirror(device.id)
+    await eventually(lambda: mirror_live(hub.js, mirror), timeout=RESUME_TIMEOUT)
+    await _publish(device, 0, 5)  # link up: readings cross within a moment, a few per pack
+    await eventually(lambda: _hub_holds(hub, device, 5), timeout=30, what="first readings")
+
+    device.proxy.cut()
+    await device.wait_link(up=False)
+    await _publish(device, 5, 1995)
+    device.proxy.restore()
+    await eventually(lambda: _hub_holds(hub, device, 2000), timeout=RESUME_TIMEOUT + 60)
+
+    packs = await stream_messages(hub.js, mirror)
+    assert packed_seqs(packs) == list(range(1, 2001)), "each reading once, in order"
+    assert all(m.subject == PACK_SUBJECT for m in packs)
+    assert len(packs) < 100, f"{len(packs)} packs for 2,000 readings"
+
+    config = ingest_config(hub, max_messages_per_trigger=5, messages_per_partition=2)
+    await run_once(spark, config)
+    rows = table.read(config.ingest, row_filter="subject = 'tele.temp'")
+    assert rows is not None
+    rows = rows.sort_by("device_seq")
+    assert rows["device_seq"].to_pylist() == list(range(1, 2001))
+    assert [json.loads(p)["i"] for p in rows["payload"].to_pylist()] == list(range(2000))
+    assert set(rows["device_id"].to_pylist()) == {"p1"}
+    assert rows["device_time"].null_count == 0
+    report = audit_archive(config.ingest)
+    telemetry = [d for d in report.devices if d.hub_stream == "FLEET_TELEMETRY"]
+    assert [(d.rows, d.duplicates, d.missing) for d in telemetry] == [(2000, 0, ())]
+
+
+@pytest.mark.timeout(300)
+async def test_the_packer_neither_repeats_nor_skips_across_agent_restarts(hub: Hub) -> None:
+    """The packer's cursor is the last pack on the island: an agent stopped while it packs a
+    backlog (and the next one, packing on) leaves every reading in exactly one pack."""
+    device = await hub.device("p2", register_when_ready=True, sections=PACKED)
+    device.proxy.cut()
+    await device.wait_link(up=False)
+    await _publish(device, 0, 3000, noise=200)
+    device.proxy.shape = Shape(rtt=0.05, rate=40_000)  # 600 kB: about 15 s
+    device.proxy.restore()
+    packed = 0
+    for _ in range(3):
+        await eventually(
+            lambda: _packed_on_island(device, packed + 1), timeout=RESUME_TIMEOUT + 30
+        )
+        await device.stop()
+        await device.start()
+        packed = len(packed_seqs(await stream_messages(device.js, "TELEMETRY")))
+    assert packed < 3000, "the backlog was packed before the restarts: nothing was tested"
+    await eventually(lambda: _packed_on_island(device, 3000), timeout=RESUME_TIMEOUT + 60)
+    assert packed_seqs(await stream_messages(device.js, "TELEMETRY")) == list(range(1, 3001))
+
+
+async def _packed_on_island(device: Device, readings: int) -> bool:
+    return len(packed_seqs(await stream_messages(device.js, "TELEMETRY"))) >= readings
