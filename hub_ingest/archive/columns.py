@@ -8,7 +8,6 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-
 import structlog
 
 from edge_agent.protocol.pack import PACK_HEADER, PackError, decode
