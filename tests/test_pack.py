@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import secrets
+from functools import partial
 from pathlib import Path
 
 import pyarrow as pa
@@ -124,8 +125,9 @@ async def test_the_packer_neither_repeats_nor_skips_across_agent_restarts(hub: H
     device.proxy.restore()
     packed = 0
     for _ in range(3):
-        more = packed + 1
-        await eventually(lambda: _packed_on_island(device, more), timeout=RESUME_TIMEOUT + 30)
+        await eventually(
+            partial(_packed_on_island, device, packed + 1), timeout=RESUME_TIMEOUT + 30
+        )
         await device.stop()
         await device.start()
         packed = len(packed_seqs(await stream_messages(device.js, "TELEMETRY")))
