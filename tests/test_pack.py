@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import secrets
+from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 
 import pyarrow as pa
 import pytest
+from nats.js.api import RawStreamMsg
 from pyspark.sql import SparkSession
 
 from edge_agent.protocol.pack import PACK_HEADER, PACK_SUBJECT, Reading, decode, encode
@@ -25,13 +27,12 @@ from tests.support.waiting import RESUME_TIMEOUT, eventually
 PACKED = {"hub": {"pack": True}}
 
 
-def packed_seqs(msgs: list[object]) -> list[int]:
+def packed_seqs(msgs: Sequence[RawStreamMsg]) -> list[int]:
     """The reading sequences the packs among `msgs` hold, in order."""
     seqs = []
     for msg in msgs:
-        headers = getattr(msg, "headers", None) or {}
-        if PACK_HEADER in headers:
-            seqs += [r.seq for r in decode(getattr(msg, "data", b""))]
+        if PACK_HEADER in (msg.headers or {}):
+            seqs += [r.seq for r in decode(msg.data or b"")]
     return seqs
 
 
