@@ -12,7 +12,7 @@ result in the island's ``EVENTS``) within seconds, not after the backlog.
 
     .venv/bin/python bench/slow_link.py [--shape lte|rural|geo|all] [--readings N]
     .venv/bin/python bench/slow_link.py --day     # 86,400 readings, LTE, to the archive too
-    .venv/bin/python bench/slow_link.py --pack 32 # 32 readings a message: what packing gives
+    .venv/bin/python bench/slow_link.py --pack    # the device packs its telemetry (hub.pack)
 
 Shapes: ``lte`` 100 ms, 2 Mbit/s, 1 % loss; ``rural`` 300 ms, 256 kbit/s, 5 %; ``geo``
 (geostationary satellite) 600 ms, 1 Mbit/s, 1 %.
@@ -38,17 +38,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import cramjam
+from nats.js.errors import NotFoundError
 from pyspark.sql import SparkSession
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
 
 from edge_agent.protocol.envelope import new_envelope
 from edge_agent.protocol.logs import configure_logging
+from edge_agent.protocol.pack import PACK_HEADER, PACK_SUBJECT, decode, pack_range
 from hub_ingest.archive import table
 from hub_ingest.commands.send import send
 from hub_ingest.ingest.job import ingest, spark_session
 from hub_ingest.local.link import LinkProxy, Shape
-from tests.support.cluster import Device, Hub, mirror_live, start_hub
+from tests.support.cluster import Device, Hub, mirror_live, start_hub, stream_messages
 from tests.support.commands import results
 from tests.support.waiting import RESUME_TIMEOUT, eventually
 
@@ -98,26 +100,44 @@ def reading(i: int) -> bytes:
     return json.dumps(body).encode().ljust(READING_BYTES)
 
 
-async def _fill(device: Device, readings: int, pack: int = 1) -> int:
-    """Publish `readings` to the island, `pack` to a message (newline-joined); their bytes."""
+async def _fill(device: Device, readings: int) -> int:
+    """Publish `readings` to the island; their bytes."""
     payload = 0
-    messages = readings // pack
-    for start in range(0, messages, 500):
-        batch = [
-            b"\n".join(reading(m * pack + k) for k in range(pack))
-            for m in range(start, min(start + 500, messages))
-        ]
+    for start in range(0, readings, 500):
+        batch = [reading(m) for m in range(start, min(start + 500, readings))]
         await asyncio.gather(*(device.js.publish(SUBJECT, b) for b in batch))
         payload += sum(len(b) for b in batch)
     return payload
 
 
-async def _counts(hub: Hub, device: Device) -> tuple[int, int, int]:
-    """(messages in the hub's mirror, its last seq, the device's readings in the aggregate)."""
-    mirror = await hub.js.stream_info(await hub.mirror(device.id))
+async def _counts(hub: Hub, device: Device, packed: bool) -> tuple[int, int, int]:
+    """(readings in the hub's mirror, the last one's seq, the device's readings in the
+    aggregate); packed, the last reading of the last pack in each."""
+    mirror = await hub.mirror(device.id)
+    if packed:
+        in_mirror = await _last_packed(hub, mirror, PACK_SUBJECT)
+        in_fleet = await _last_packed(hub, "FLEET_TELEMETRY", f"fleet.{device.id}.{PACK_SUBJECT}")
+        return in_mirror, in_mirror, in_fleet
+    state = (await hub.js.stream_info(mirror)).state
     fleet = await hub.js.stream_info("FLEET_TELEMETRY", subjects_filter=f"fleet.{device.id}.tele.>")
-    at_hub = sum((fleet.state.subjects or {}).values())
-    return mirror.state.messages, mirror.state.last_seq, at_hub
+    return state.messages, state.last_seq, sum((fleet.state.subjects or {}).values())
+
+
+async def _last_packed(hub: Hub, stream: str, subject: str) -> int:
+    try:
+        msg = await hub.js.get_last_msg(stream, subject, direct=True)
+    except NotFoundError:
+        return 0
+    return pack_range((msg.headers or {})[PACK_HEADER])[1]
+
+
+async def _packed_seqs(hub: Hub, stream: str, device_id: str) -> list[int]:
+    """Every reading sequence in the packs `stream` holds from the device, in order."""
+    seqs = []
+    for msg in await stream_messages(hub.js, stream):
+        if msg.subject in (PACK_SUBJECT, f"fleet.{device_id}.{PACK_SUBJECT}"):
+            seqs += [r.seq for r in decode(msg.data or b"")]
+    return seqs
 
 
 async def _command_start(hub: Hub, device: Device) -> float:
@@ -143,14 +163,12 @@ async def drain(
     *,
     cuts: int = 0,
     spark: SparkSession | None = None,
-    pack: int = 1,
+    packed: bool = False,
 ) -> Drain:
     """Fill a device while cut, restore a link shaped `shape`, time the drain (with `cuts`
     extra cuts during it) and check every reading reached the hub once; with `spark`, the
     ingest runs meanwhile and the time until the archive has every reading is taken too.
-    With `pack` > 1 each message carries that many readings (an experiment: the archive does
-    not split such messages into rows, so it is not used with `spark`)."""
-    messages = readings // pack
+    `packed`: the device packs its telemetry (``hub.pack``)."""
     hub = await start_hub(root, leaf_compression=compression)
     stop_ingest = threading.Event()
     ingesting: asyncio.Future[object] | None = None
@@ -158,14 +176,16 @@ async def drain(
         # Both ends set, so that each run measures its mode from the first byte (by default
         # a device chooses by the round trip it measures, `edge_agent.island.compression`).
         device = await hub.device(
-            "slow", register_when_ready=True, sections={"hub": {"compression": compression}}
+            "slow",
+            register_when_ready=True,
+            sections={"hub": {"compression": compression, "pack": packed}},
         )
         await hub.provision()
         mirror = await hub.mirror(device.id)
         await eventually(lambda: mirror_live(hub.js, mirror), timeout=RESUME_TIMEOUT)
         device.proxy.cut()
         await device.wait_link(up=False)
-        payload = await _fill(device, readings, pack)
+        payload = await _fill(device, readings)
         device.proxy.shape = shape
         device.proxy.bytes_up = 0
         if spark is not None:
@@ -175,17 +195,17 @@ async def drain(
         start = time.monotonic()
         device.proxy.restore()
         command_s = -1.0
-        cut_at = [messages * (k + 1) // (cuts + 2) for k in range(cuts)]
+        cut_at = [readings * (k + 1) // (cuts + 2) for k in range(cuts)]
         while True:
-            stored, last, at_hub = await _counts(hub, device)
-            if command_s < 0 and stored >= messages // 2:
+            stored, last, at_hub = await _counts(hub, device, packed)
+            if command_s < 0 and stored >= readings // 2:
                 command_s = await _command_start(hub, device)
             if cut_at and stored >= cut_at[0]:
                 cut_at.pop(0)
                 device.proxy.cut()
                 await device.wait_link(up=False)
                 device.proxy.restore()
-            if at_hub >= messages and last >= messages:
+            if at_hub >= readings and last >= readings:
                 break
             if time.monotonic() - start > 1800:
                 break
@@ -197,9 +217,7 @@ async def drain(
                 lambda: _archived(hub, readings), timeout=600, interval=1.0, what="archived"
             )
             archive_s = time.monotonic() - start
-        # The mirror keeps the device's sequence numbers: complete and once means exactly
-        # 1..N there, and N in the aggregate.
-        stored, last, at_hub = await _counts(hub, device)
+        at_hub, lost, duplicated = await _verify(hub, device, readings, packed)
         return Drain(
             compression,
             readings,
@@ -208,8 +226,8 @@ async def drain(
             device.proxy.bytes_up,
             command_s,
             at_hub,
-            lost=max(0, messages - min(stored, at_hub)) * pack,
-            duplicated=(max(0, at_hub - messages) + max(0, last - messages)) * pack,
+            lost=lost,
+            duplicated=duplicated,
             archive_s=archive_s,
         )
     finally:
@@ -217,6 +235,26 @@ async def drain(
         if ingesting is not None:
             await ingesting
         await hub.close()
+
+
+async def _verify(hub: Hub, device: Device, readings: int, packed: bool) -> tuple[int, int, int]:
+    """(readings at the hub, lost, duplicated). The mirror keeps the device's sequence
+    numbers: complete and once means exactly 1..N there, and N in the aggregate (packed: in
+    the packs each holds)."""
+    if packed:
+        mirror = await _packed_seqs(hub, await hub.mirror(device.id), device.id)
+        fleet = await _packed_seqs(hub, "FLEET_TELEMETRY", device.id)
+        return len(fleet), *_lost_duplicated(readings, mirror, fleet)
+    stored, last, at_hub = await _counts(hub, device, packed)
+    lost = max(0, readings - min(stored, at_hub))
+    return at_hub, lost, max(0, at_hub - readings) + max(0, last - readings)
+
+
+def _lost_duplicated(readings: int, *copies: list[int]) -> tuple[int, int]:
+    """Readings 1..`readings` missing from any copy, and copies of a reading beyond one."""
+    wanted = set(range(1, readings + 1))
+    lost = len(set().union(*(wanted - set(c) for c in copies)))
+    return lost, sum(len(c) - len(set(c)) + len(set(c) - wanted) for c in copies)
 
 
 async def _archived(hub: Hub, readings: int) -> bool:
@@ -285,25 +323,25 @@ class ShapeRun:
         return self.tcp_compressed_s / self.compressed.elapsed_s
 
 
-async def run_shape(name: str, shape: Shape, readings: int, pack: int = 1) -> ShapeRun:
+async def run_shape(name: str, shape: Shape, readings: int, packed: bool = False) -> ShapeRun:
     data = b"".join(reading(i) for i in range(readings))
     tcp_raw = await tcp_seconds(data, shape)
     tcp_compressed = await tcp_seconds(bytes(cramjam.snappy.compress(data)), shape)
     drains = []
     for compression in ("off", "s2_auto"):
         with tempfile.TemporaryDirectory(prefix="slow-link-") as tmp:
-            drains.append(await drain(Path(tmp), readings, shape, compression, pack=pack))
+            drains.append(await drain(Path(tmp), readings, shape, compression, packed=packed))
     run = ShapeRun(name, shape, tcp_raw, tcp_compressed, *drains)
     print(run.line(), flush=True)
     return run
 
 
-async def day() -> Drain:
+async def day(packed: bool) -> Drain:
     """A day of readings over the headline link (2 Mbit/s, 100 ms), the ingest running."""
     spark = spark_session("local[2]")
     try:
         with tempfile.TemporaryDirectory(prefix="slow-link-day-") as tmp:
-            run = await drain(Path(tmp), DAY, LTE, "s2_auto", spark=spark)
+            run = await drain(Path(tmp), DAY, LTE, "s2_auto", spark=spark, packed=packed)
     finally:
         spark.stop()
     print(
@@ -317,15 +355,15 @@ async def day() -> Drain:
 
 
 async def main(
-    shapes: list[str], readings: int | None, seconds: float, with_day: bool, pack: int
+    shapes: list[str], readings: int | None, seconds: float, with_day: bool, packed: bool
 ) -> None:
     configure_logging("warning")
-    whole_day = await day() if with_day else None
+    whole_day = await day(packed) if with_day else None
     runs = []
     for name in shapes:
         shape = SHAPES[name]
         count = readings or int(shape.rate * seconds / READING_BYTES)
-        runs.append(await run_shape(name, shape, count // pack * pack, pack))
+        runs.append(await run_shape(name, shape, count, packed))
     drains = [d for r in runs for d in (r.off, r.compressed)]
     if whole_day is not None:
         drains.append(whole_day)
@@ -345,12 +383,7 @@ if __name__ == "__main__":
     parser.add_argument("--readings", type=int, help="backlog size (default: --seconds' worth)")
     parser.add_argument("--seconds", type=float, default=30.0, help="raw link time to fill")
     parser.add_argument("--day", action="store_true", help="first a day's backlog, archived")
-    parser.add_argument(
-        "--pack",
-        type=int,
-        default=1,
-        help="readings per message (an experiment: what packing on the device would give)",
-    )
+    parser.add_argument("--pack", action="store_true", help="the device packs (hub.pack)")
     args = parser.parse_args()
     chosen = list(SHAPES) if args.shape == "all" else [args.shape]
     asyncio.run(main(chosen, args.readings, args.seconds, args.day, args.pack))

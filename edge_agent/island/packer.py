@@ -40,8 +40,12 @@ log = structlog.get_logger(__name__)
 
 PACK_READINGS = 256  # at most, per pack
 PACK_BYTES = 32 * 1024  # of payload per pack, at most (a larger reading goes alone)
-LEAD = 4  # packs made ahead of what the hub's mirror has been sent
+# Packs made ahead of what the hub's mirror has been sent: at least its window
+# (`edge_agent.island.streams.PACK_WINDOW`), so that each flow-control round trip finds a
+# whole window to send (with 4, the drain waited on the packer's polls).
+LEAD = 16
 IDLE_S = 0.2  # the longest a reading waits for the packer when nothing is queued
+_POLL_S = (0.05, 1.0)  # how often the hub's progress is checked: while it moves, at most
 _RETRY_S = 1.0  # after an island error, before the packer starts again
 
 
@@ -104,7 +108,9 @@ class Packer:
         return max((await self.js.stream_info(READINGS)).state.first_seq - 1, 0)
 
     async def _await_room(self, consumer: str) -> None:
-        """Until the hub's mirror has at most `LEAD` packs left to take."""
+        """Until the hub's mirror has at most `LEAD` packs left to take; asked often while
+        it takes them, less and less often while it does not (a link down for hours)."""
+        poll, before = _POLL_S[0], None
         while True:
             try:
                 pending = (await self.js.consumer_info(TELEMETRY, consumer)).num_pending
@@ -112,7 +118,9 @@ class Packer:
                 pending = LEAD + 1  # not made yet: the reconcile is on its way
             if pending <= LEAD:
                 return
-            await asyncio.sleep(IDLE_S)
+            poll = _POLL_S[0] if pending != before else min(poll * 2, _POLL_S[1])
+            before = pending
+            await asyncio.sleep(poll)
 
     async def _next(self, sub: JetStreamContext.PullSubscription) -> list[Reading]:
         """The next pack's readings (none when nothing came within `IDLE_S`)."""
