@@ -141,3 +141,26 @@ def test_audit_checks_each_incarnation_from_its_own_sequence_1(tmp_path: Path) -
     assert (change.device_id, change.previous, change.incarnation) == ("a", "old", "new")
     assert change.first_hub_seq == 21
     assert not report.ok
+
+
+def test_a_packed_devices_gaps_are_explained_by_its_readings_not_its_packs(
+    tmp_path: Path,
+) -> None:
+    """With ``hub.pack`` the heartbeat's TELEMETRY counts packs (pack 40 is not reading 40)
+    and READINGS counts readings: only READINGS' drops explain missing readings."""
+    packs = {"first_seq": 40, "dropped": 39, "packed": True, "incarnation": "i1"}
+    readings = {"first_seq": 9, "dropped": 8, "incarnation": "i1"}
+    beat = json.dumps({"streams": {"TELEMETRY": packs, "READINGS": readings}}).encode()
+    config = _config(tmp_path)
+    _write_archive(
+        config,
+        _rows("b", "FLEET_TELEMETRY", [1, 2, 3, 4, 9, 10, 20, 21]),
+        _rows("b", "FLEET_EVENTS", [1], [beat]),
+    )
+
+    (b,) = [d for d in audit_archive(config).devices if d.hub_stream == "FLEET_TELEMETRY"]
+
+    assert b.missing == (
+        Gap(5, 8, explained=True, reason="dropped"),
+        Gap(11, 19, explained=False),
+    )

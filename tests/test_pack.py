@@ -14,10 +14,14 @@ import pytest
 from nats.js.api import RawStreamMsg
 from pyspark.sql import SparkSession
 
+from edge_agent.island.streams import incarnations
+from edge_agent.protocol.names import hub_consumer
 from edge_agent.protocol.pack import PACK_HEADER, PACK_SUBJECT, Reading, decode, encode
+from edge_agent.status.health import collect_status
 from hub_ingest.archive import table
 from hub_ingest.archive.audit import audit_archive
 from hub_ingest.archive.columns import header_map, unpack
+from hub_ingest.fleet.gaps import healed
 from hub_ingest.ingest.source import ARROW_SCHEMA
 from hub_ingest.local.link import Shape
 from tests.support.cluster import Device, Hub, mirror_live, stream_messages
@@ -95,6 +99,10 @@ async def test_a_backlog_crosses_in_packs_and_is_archived_one_row_per_reading(
     device.proxy.restore()
     await eventually(lambda: _hub_holds(hub, device, 2000), timeout=RESUME_TIMEOUT + 60)
 
+    status = await collect_status(device.config)
+    telemetry, readings = status.streams["TELEMETRY"], status.streams["READINGS"]
+    assert telemetry.packed and not readings.packed
+    assert (readings.last_seq, readings.incarnation) == (2000, telemetry.incarnation)
     packs = await stream_messages(hub.js, mirror)
     assert packed_seqs(packs) == list(range(1, 2001)), "each reading once, in order"
     assert all(m.subject == PACK_SUBJECT for m in packs)
@@ -110,8 +118,8 @@ async def test_a_backlog_crosses_in_packs_and_is_archived_one_row_per_reading(
     assert set(rows["device_id"].to_pylist()) == {"p1"}
     assert rows["device_time"].null_count == 0
     report = audit_archive(config.ingest)
-    telemetry = [d for d in report.devices if d.hub_stream == "FLEET_TELEMETRY"]
-    assert [(d.rows, d.duplicates, d.missing) for d in telemetry] == [(2000, 0, ())]
+    archived = [d for d in report.devices if d.hub_stream == "FLEET_TELEMETRY"]
+    assert [(d.rows, d.duplicates, d.missing) for d in archived] == [(2000, 0, ())]
 
 
 @pytest.mark.timeout(300)
@@ -139,3 +147,53 @@ async def test_the_packer_neither_repeats_nor_skips_across_agent_restarts(hub: H
 
 async def _packed_on_island(device: Device, readings: int) -> bool:
     return len(packed_seqs(await stream_messages(device.js, "TELEMETRY"))) >= readings
+
+
+@pytest.mark.timeout(300)
+async def test_packs_a_mirror_skipped_are_refilled_and_archived_as_readings(
+    hub: Hub, spark: SparkSession
+) -> None:
+    """The hub's mirror made to skip two packs (as nats-server does when it binds above its
+    copy): the refill reads them from the island, and the archive and the audit count their
+    readings, each once."""
+    device = await hub.device("p3", register_when_ready=True, sections=PACKED)
+    mirror = await hub.mirror(device.id)
+    await _publish(device, 0, 5)
+    await eventually(lambda: _hub_holds(hub, device, 5), timeout=RESUME_TIMEOUT, what="5")
+    before = (await hub.js.stream_info(mirror)).state.last_seq
+    device.proxy.cut()
+    await device.wait_link(up=False)
+    for burst in range(3):  # three packs at least
+        await _publish(device, 5 + burst * 10, 10)
+        await eventually(partial(_island_packs, device, before + burst + 1), timeout=10)
+    incarnation = (await incarnations(device.js))["TELEMETRY"]
+    assert incarnation is not None and device.nc is not None
+    reply = await device.nc.request(
+        f"$JS.API.CONSUMER.RESET.TELEMETRY.{hub_consumer(incarnation)}",
+        json.dumps({"seq": before + 3}).encode(),
+        timeout=5,
+    )
+    assert "error" not in json.loads(reply.data), reply.data
+    skipped = packed_seqs(
+        [
+            m
+            for m in await stream_messages(device.js, "TELEMETRY")
+            if m.seq in (before + 1, before + 2)
+        ]
+    )
+    device.proxy.restore()
+    await eventually(lambda: _hub_holds(hub, device, 35), timeout=RESUME_TIMEOUT + 30)
+
+    config = ingest_config(hub)
+    await run_once(spark, config)
+    rows = table.read(config.ingest, row_filter="subject = 'tele.temp'")
+    assert rows is not None
+    assert sorted(rows["device_seq"].to_pylist()) == list(range(1, 36))
+    report = audit_archive(config.ingest, await healed(hub.js))
+    (tele,) = [d for d in report.devices if d.hub_stream == "FLEET_TELEMETRY"]
+    assert (tele.refilled, tele.refilled_archived, tele.duplicates) == (len(skipped),) * 2 + (0,)
+    assert skipped and report.ok
+
+
+async def _island_packs(device: Device, packs: int) -> bool:
+    return (await device.js.stream_info("TELEMETRY")).state.last_seq >= packs

@@ -131,10 +131,13 @@ def desired_streams(
 
 
 UNCOMPRESSED_WINDOW = 1_000  # nats-server's default max_ack_pending
-# Packs of up to 32 KiB of readings (`edge_agent.island.packer`): 0.5 MiB, which s2 makes
-# 0.1-0.2 MiB on the wire. The origin asks for flow control (which acknowledges) once the
-# window is full, so a window is sent per round trip.
-PACK_WINDOW = 16
+# Packs of up to 32 KiB of readings (`edge_agent.island.packer`). The origin asks for flow
+# control (which acknowledges) once the window is full, so a window crosses per round trip
+# (16 kept a 600 ms, 1 Mbit/s link 0.32 used) and whatever else goes up the link waits
+# behind it. Compressed (3-5x), 32 packs are 0.2-0.3 MiB on the wire; uncompressed, 16 kept
+# a command 23 s behind them on a 256 kbit/s link.
+PACK_WINDOW = 32
+UNCOMPRESSED_PACK_WINDOW = 2
 
 
 def uplink_window(config: Config, packed: bool = False) -> int:
@@ -146,9 +149,10 @@ def uplink_window(config: Config, packed: bool = False) -> int:
     Uncompressed, it takes ~400: on that link a command waited 30 s behind 10,000 and
     7.8-14 s behind the server's default of 1,000, kept for uncompressed links. A pack holds
     many readings, so the window of a packed stream is counted in packs."""
+    compressed = link_mode(config) != OFF
     if packed:
-        return PACK_WINDOW
-    return MIRROR_WINDOW if link_mode(config) != OFF else UNCOMPRESSED_WINDOW
+        return PACK_WINDOW if compressed else UNCOMPRESSED_PACK_WINDOW
+    return MIRROR_WINDOW if compressed else UNCOMPRESSED_WINDOW
 
 
 def hub_consumer_config(

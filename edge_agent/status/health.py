@@ -28,6 +28,7 @@ from edge_agent.protocol.errors import MonitorUnavailable
 from edge_agent.protocol.files import read_json
 from edge_agent.protocol.monitor import Monitor
 from edge_agent.protocol.names import COMMAND_MIRROR, EVENTS, INCARNATION, TELEMETRY, hub_consumer
+from edge_agent.protocol.pack import PACK_SUBJECT, READINGS
 from edge_agent.protocol.units import parse_time, utc_now_iso
 
 log = structlog.get_logger(__name__)
@@ -66,6 +67,9 @@ class StreamStatus:
     # The stream's incarnation (see `streams`): a new one after a re-image or a new store.
     incarnation: str | None = None
     uplink: Uplink | None = None  # outbound streams only
+    # TELEMETRY holds packs of READINGS (`hub.pack`): its figures count packs, and
+    # READINGS', with TELEMETRY's incarnation, count readings.
+    packed: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,6 +180,7 @@ def _stream_status(detail: dict[str, Any]) -> StreamStatus:
         dropped=max(first_seq - 1, 0),
         incarnation=incarnation,
         uplink=_uplink(detail, incarnation),
+        packed=config.get("subjects") == [PACK_SUBJECT],
     )
 
 
@@ -248,6 +253,12 @@ async def collect_status(config: Config, monitor: Monitor | None = None) -> Stat
         streams[name] = _stream_status(by_name[name])
         if streams[name].budget_used_pct >= BUDGET_WARN_PCT and name != TELEMETRY:
             problems.append(f"stream {name} at {streams[name].budget_used_pct}% of its budget")
+    if (packs := streams.get(TELEMETRY)) and packs.packed:
+        if READINGS in by_name:
+            readings = _stream_status(by_name[READINGS])
+            streams[READINGS] = replace(readings, incarnation=packs.incarnation)
+        else:
+            problems.append(f"stream {READINGS} missing")
     mirror = _mirror_status(by_name[COMMAND_MIRROR]) if COMMAND_MIRROR in by_name else None
     if mirror and mirror.error and leaf_up:
         problems.append(f"command mirror error: {mirror.error}")

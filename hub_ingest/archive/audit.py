@@ -26,6 +26,8 @@ from typing import Any
 import numpy as np
 from nats.js import JetStreamContext
 
+from edge_agent.protocol.names import TELEMETRY
+from edge_agent.protocol.pack import READINGS
 from hub_ingest.archive import table
 from hub_ingest.commands.send import attribute
 from hub_ingest.core.config import IngestConfig
@@ -201,10 +203,14 @@ def _reported_drops(config: IngestConfig) -> dict[tuple[str, str, str | None], i
         if not attribute(hub_subject, body, "heartbeat").trusted:
             continue
         for name, state in streams.items() if isinstance(streams, dict) else ():
+            # A packed TELEMETRY counts packs; its readings' sequences are READINGS'.
+            if isinstance(state, dict) and state.get("packed"):
+                continue
             if isinstance(state, dict) and state.get("dropped", 0) > 0:
                 # The stream's own incarnation; a heartbeat from before they were reported
                 # comes from the same store as the stream it describes.
-                key = (row["device_id"], name, state.get("incarnation") or row["incarnation"])
+                stream = TELEMETRY if name == READINGS else name
+                key = (row["device_id"], stream, state.get("incarnation") or row["incarnation"])
                 out[key] = max(out.get(key, 0), int(state.get("first_seq", 0)))
     return out
 

@@ -27,9 +27,11 @@ from nats.js.api import (
 )
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError
 
+from edge_agent.protocol.pack import PACK_HEADER, pack_range
 from hub_ingest.core.buckets import GAPS, bucket_keys
 from hub_ingest.core.config import HubConfig
-from hub_ingest.fleet.registry import Device, Incarnation
+from hub_ingest.fleet.registry import Device, Incarnation, Registry
+from hub_ingest.fleet.streams import mirror_name
 
 REFILL_STREAM = "FLEET_REFILL"
 REFILL_HEADER = "Edge-Refill-Of"  # <mirror> <device seq> <subject> <device store time>
@@ -149,12 +151,34 @@ class Healed:
 
 
 async def healed(js: JetStreamContext) -> dict[tuple[str, str, str], Healed]:
-    """(device, incarnation, device stream) → what the refill did, for `audit`."""
+    """(device, incarnation, device stream) → what the refill did, for `audit`, by reading
+    sequence. A packed mirror's gaps are packs: its refilled packs count the readings they
+    hold, and the packs it lost are not counted as readings (which readings they held is
+    gone with them), so the audit shows the missing readings as unexplained."""
+    packed = {
+        mirror_name(d.device_id, i)
+        for d in await (await Registry.open(js)).list()
+        for i in d.incarnations
+        if i.packed
+    }
     found = {}
     for name, record in (await read_gaps(js)).items():
         key = (record.device_id, record.incarnation, record.device_stream)
-        found[key] = Healed(frozenset(await refilled_seqs(js, name)), record.lost)
+        if name in packed:
+            found[key] = Healed(frozenset(await _refilled_readings(js, name)), {})
+        else:
+            found[key] = Healed(frozenset(await refilled_seqs(js, name)), record.lost)
     return found
+
+
+async def _refilled_readings(js: JetStreamContext, mirror: str) -> set[int]:
+    """The reading sequences in the packs of `mirror` that FLEET_REFILL holds."""
+    readings: set[int] = set()
+    for subject in await _refilled_subjects(js, mirror):
+        msg = await js.get_last_msg(REFILL_STREAM, subject, direct=True)
+        first, last = pack_range((msg.headers or {}).get(PACK_HEADER, ""))
+        readings.update(range(first, last + 1))
+    return readings
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,8 +193,12 @@ class Target:
 
 async def refilled_seqs(js: JetStreamContext, mirror: str) -> set[int]:
     """The sequences of `mirror` that FLEET_REFILL holds."""
+    return {int(subject.split(".")[3]) for subject in await _refilled_subjects(js, mirror)}
+
+
+async def _refilled_subjects(js: JetStreamContext, mirror: str) -> list[str]:
     try:
         info = await js.stream_info(REFILL_STREAM, subjects_filter=f"refill.*.{mirror}.*.>")
     except nats.js.errors.NotFoundError:
-        return set()
-    return {int(subject.split(".")[3]) for subject in info.state.subjects or {}}
+        return []
+    return list(info.state.subjects or {})
