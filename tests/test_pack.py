@@ -124,24 +124,25 @@ async def test_a_backlog_crosses_in_packs_and_is_archived_one_row_per_reading(
 
 @pytest.mark.timeout(300)
 async def test_the_packer_neither_repeats_nor_skips_across_agent_restarts(hub: Hub) -> None:
-    """The packer's cursor is the last pack on the island: an agent stopped while it packs a
-    backlog (and the next one, packing on) leaves every reading in exactly one pack."""
+    """The packer's cursor is the last pack on the island: agents stopped while the link is
+    down (the packer waiting for the hub) and while it drains (packing on) leave every
+    reading in exactly one pack."""
     device = await hub.device("p2", register_when_ready=True, sections=PACKED)
     device.proxy.cut()
     await device.wait_link(up=False)
-    await _publish(device, 0, 3000, noise=200)
-    device.proxy.shape = Shape(rtt=0.05, rate=40_000)  # 600 kB: about 15 s
-    device.proxy.restore()
-    packed = 0
-    for _ in range(3):
-        await eventually(
-            partial(_packed_on_island, device, packed + 1), timeout=RESUME_TIMEOUT + 30
-        )
+    await _publish(device, 0, 3000, noise=200)  # 3000 * 215 bytes: more than LEAD packs hold
+    for _ in range(2):
         await device.stop()
         await device.start()
-        packed = len(packed_seqs(await stream_messages(device.js, "TELEMETRY")))
-    assert packed < 3000, "the backlog was packed before the restarts: nothing was tested"
-    await eventually(lambda: _packed_on_island(device, 3000), timeout=RESUME_TIMEOUT + 60)
+    await eventually(partial(_packed_on_island, device, 1), timeout=30)
+    packed = packed_seqs(await stream_messages(device.js, "TELEMETRY"))
+    assert packed == list(range(1, len(packed) + 1)) and len(packed) < 3000
+    device.proxy.shape = Shape(rtt=0.05, rate=40_000)  # 645 kB: about 15 s
+    device.proxy.restore()
+    await eventually(partial(_packed_on_island, device, len(packed) + 1), timeout=RESUME_TIMEOUT)
+    await device.stop()
+    await device.start()
+    await eventually(partial(_packed_on_island, device, 3000), timeout=RESUME_TIMEOUT + 60)
     assert packed_seqs(await stream_messages(device.js, "TELEMETRY")) == list(range(1, 3001))
 
 

@@ -125,7 +125,9 @@ class Packer:
     async def _next(self, sub: JetStreamContext.PullSubscription) -> list[Reading]:
         """The next pack's readings (none when nothing came within `IDLE_S`)."""
         if len(self._held) < PACK_READINGS:
-            with contextlib.suppress(nats.errors.TimeoutError):  # nothing new: pack what is held
+            # Nothing new: pack what is held. (nats-py raises its own TimeoutError or, when
+            # nothing came at all, asyncio's.)
+            with contextlib.suppress(TimeoutError):
                 self._held += await sub.fetch(PACK_READINGS - len(self._held), timeout=IDLE_S)
         taken, size = 0, 0
         for msg in self._held:
