@@ -70,6 +70,30 @@ def refill_subject(aggregate_stream: str, mirror: str, seq: int, device: str, su
     return f"refill.{aggregate_stream}.{mirror}.{seq}.{device}.{subject}"
 
 
+# Reply headers of a direct get; the rest, but the conditions it was published under (a
+# pack's ``Nats-Expected-Last-Sequence``), are the message's own.
+_SERVER_HEADERS = frozenset(
+    {
+        "Nats-Stream",
+        "Nats-Subject",
+        "Nats-Sequence",
+        "Nats-Time-Stamp",
+        "Nats-Num-Pending",
+        "Nats-Last-Sequence",
+        "Nats-Msg-Id",
+    }
+)
+
+
+def own_headers(headers: Mapping[str, str]) -> dict[str, str]:
+    """What a refilled message keeps of the headers its direct get answered with."""
+    return {
+        k: v
+        for k, v in headers.items()
+        if k not in _SERVER_HEADERS and not k.startswith("Nats-Expected-")
+    }
+
+
 Ranges = list[tuple[int, int]]
 
 

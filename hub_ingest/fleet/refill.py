@@ -65,6 +65,7 @@ from hub_ingest.fleet.gaps import (
     MirrorGaps,
     Target,
     expand,
+    own_headers,
     refill_subject,
     refilled_seqs,
     to_ranges,
@@ -86,18 +87,6 @@ TAIL_S = 30.0  # a linked device's mirror tail is compared with its island's flo
 RETRY_S = 30.0  # a pending gap is tried again this often even if its device is not linked here
 CONCURRENT = 8  # mirrors healed at once (an offline island costs a timeout)
 _WRONG_LAST_SEQUENCE = 10071  # the subject has a message: this sequence was refilled before
-# Reply headers of a direct get; the rest are the message's own.
-_SERVER_HEADERS = frozenset(
-    {
-        "Nats-Stream",
-        "Nats-Subject",
-        "Nats-Sequence",
-        "Nats-Time-Stamp",
-        "Nats-Num-Pending",
-        "Nats-Last-Sequence",
-        "Nats-Msg-Id",
-    }
-)
 
 
 @dataclass
@@ -436,7 +425,7 @@ class Refiller:
         headers = dict(msg.headers or {})
         seq = int(headers["Nats-Sequence"])
         subject = headers["Nats-Subject"]
-        stored = {k: v for k, v in headers.items() if k not in _SERVER_HEADERS}
+        stored = own_headers(headers)
         if "Nats-Msg-Id" in headers:
             stored[MSG_ID_HEADER] = headers["Nats-Msg-Id"]
         stored[REFILL_HEADER] = f"{target.mirror} {seq} {subject} {headers['Nats-Time-Stamp']}"
