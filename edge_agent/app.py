@@ -22,6 +22,7 @@ import os
 import sqlite3
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from dataclasses import asdict
 from typing import Any
 
 import nats
@@ -318,7 +319,8 @@ class Agent:
                 log.warning("metrics_not_written", path=str(metrics), error=str(exc))
         subject = f"evt.{self.config.device_id}.heartbeat"
         try:
-            payload = heartbeat_payload(status, self._started)
+            packer = asdict(self.packer.stats) if self.packer else None
+            payload = heartbeat_payload(status, self._started, packer)
             await self.outbox.append(subject, payload, kind="heartbeat")
         except OutboxError as exc:
             log.warning("heartbeat_not_queued", error=str(exc))

@@ -99,6 +99,7 @@ async def test_a_backlog_crosses_in_packs_and_is_archived_one_row_per_reading(
     device.proxy.restore()
     await eventually(lambda: _hub_holds(hub, device, 2000), timeout=RESUME_TIMEOUT + 60)
 
+    await eventually(partial(_beat_packed, device, 2000), timeout=30, what="heartbeat")
     status = await collect_status(device.config)
     telemetry, readings = status.streams["TELEMETRY"], status.streams["READINGS"]
     assert telemetry.packed and not readings.packed
@@ -144,6 +145,13 @@ async def test_the_packer_neither_repeats_nor_skips_across_agent_restarts(hub: H
     await device.start()
     await eventually(partial(_packed_on_island, device, 3000), timeout=RESUME_TIMEOUT + 60)
     assert packed_seqs(await stream_messages(device.js, "TELEMETRY")) == list(range(1, 3001))
+
+
+async def _beat_packed(device: Device, readings: int) -> bool:
+    """The device's last heartbeat says the packer packed `readings` and skipped none."""
+    msg = await device.js.get_last_msg("EVENTS", f"evt.{device.id}.heartbeat")
+    packer = json.loads(msg.data or b"{}").get("packer") or {}
+    return packer.get("readings") == readings and packer.get("skipped") == 0
 
 
 async def _packed_on_island(device: Device, readings: int) -> bool:

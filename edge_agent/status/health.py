@@ -11,6 +11,7 @@ import asyncio
 import json
 import sqlite3
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -343,7 +344,13 @@ def render_status(status: Status) -> str:
     return "\n".join(lines)
 
 
-def heartbeat_payload(status: Status, started_at: float) -> bytes:
+def heartbeat_payload(
+    status: Status, started_at: float, packer: Mapping[str, int] | None = None
+) -> bytes:
+    """The heartbeat's body; with `packer`, what the packer did since the agent started
+    (`edge_agent.island.packer.PackerStats`)."""
     body = status.to_dict()
     body["uptime_s"] = round(time.monotonic() - started_at, 1)
+    if packer is not None:
+        body["packer"] = dict(packer)
     return json.dumps(body, separators=(",", ":")).encode()
