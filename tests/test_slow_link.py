@@ -27,3 +27,12 @@ async def test_a_poor_rural_link_delivers_its_backlog_once(tmp_path: Path) -> No
     run = await drain(tmp_path, 600, SHAPES["rural"], "s2_auto")
     assert (run.at_hub, run.lost, run.duplicated) == (600, 0, 0)
     assert 0 <= run.command_start_s < 5, f"the command waited {run.command_start_s:.1f}s"
+
+
+async def test_packed_backlog_crosses_a_lossy_cut_link_once(tmp_path: Path) -> None:
+    """With ``hub.pack`` too: every reading in exactly one pack at the hub's mirror and in the
+    aggregate, through two cuts, and a command still starts within seconds."""
+    lossy = Shape(rtt=LTE.rtt, rate=LTE.rate, loss=0.01, seed=5)
+    run = await drain(tmp_path, 3000, lossy, "s2_auto", cuts=2, packed=True)
+    assert (run.at_hub, run.lost, run.duplicated) == (3000, 0, 0)
+    assert 0 <= run.command_start_s < 5, f"the command waited {run.command_start_s:.1f}s"
