@@ -40,9 +40,9 @@ log = structlog.get_logger(__name__)
 
 PACK_READINGS = 256  # at most, per pack
 PACK_BYTES = 32 * 1024  # of payload per pack, at most (a larger reading goes alone)
-# Packs made ahead of what the hub's mirror has been sent: at least its window
-# (`edge_agent.island.streams.PACK_WINDOW`), so that each flow-control round trip finds a
-# whole window to send (with 4, the drain waited on the packer's polls).
+# Packs made ahead of what the hub's mirror has been sent. With 4 the drain waited on the
+# packer's polls at every flow-control round trip; 16 sends half a window of 32
+# (`edge_agent.island.streams.PACK_WINDOW`) at once, and the rest is packed while it crosses.
 LEAD = 16
 IDLE_S = 0.2  # the longest a reading waits for the packer when nothing is queued
 _POLL_S = (0.05, 1.0)  # how often the hub's progress is checked: while it moves, at most

@@ -4,7 +4,7 @@
   own byte budget. JetStream reserves a stream's ``max_bytes`` in the store, so telemetry
   pressure can never evict events or results: it only drops the oldest telemetry.
 - With ``hub.pack``, apps' ``tele.>`` goes to ``READINGS`` instead, and ``TELEMETRY`` holds
-  packs of its readings (``pack.tele``, made by `edge_agent.outbox.packer`), half of the
+  packs of its readings (``pack.tele``, made by `edge_agent.island.packer`), half of the
   telemetry budget each. Whether an island packs is fixed when its ``TELEMETRY`` is made: an
   existing stream keeps what it holds, whatever the configuration says now.
 - ``COMMANDS``: a mirror of the hub's ``CMD_<device_id>`` (the device's slice of the hub's
