@@ -3,6 +3,7 @@ still gets one row per reading, at its own device sequence, exactly once."""
 
 from __future__ import annotations
 
+import base64
 import json
 import secrets
 from collections.abc import Sequence
@@ -24,6 +25,7 @@ from hub_ingest.archive.columns import header_map, unpack
 from hub_ingest.fleet.gaps import healed
 from hub_ingest.ingest.source import ARROW_SCHEMA
 from hub_ingest.local.link import Shape
+from hub_ingest.report.collect import readings_dropped
 from tests.support.cluster import Device, Hub, mirror_live, stream_messages
 from tests.support.ingest import ingest_config, run_once
 from tests.support.waiting import RESUME_TIMEOUT, eventually
@@ -206,3 +208,12 @@ async def test_packs_a_mirror_skipped_are_refilled_and_archived_as_readings(
 
 async def _island_packs(device: Device, packs: int) -> bool:
     return (await device.js.stream_info("TELEMETRY")).state.last_seq >= packs
+
+
+def test_the_report_counts_a_packed_devices_dropped_readings_not_packs() -> None:
+    def beat(streams: dict[str, dict[str, int]]) -> dict[str, str]:
+        return {"data": base64.b64encode(json.dumps({"streams": streams}).encode()).decode()}
+
+    packed = beat({"TELEMETRY": {"dropped": 3}, "READINGS": {"dropped": 0}})
+    assert readings_dropped(packed) == 0
+    assert readings_dropped(beat({"TELEMETRY": {"dropped": 3}})) == 3

@@ -32,6 +32,7 @@ from typing import Any
 from nats.aio.client import Client
 
 from edge_agent.protocol.names import command_stream, island_name
+from edge_agent.protocol.pack import READINGS
 from edge_agent.protocol.units import format_time, parse_time
 from hub_ingest.commands.attribution import Attribution, attribute
 from hub_ingest.commands.index import CommandIndex, Tally, json_object
@@ -81,6 +82,17 @@ def _beat_figure(heartbeat: Mapping[str, Any] | None, *path: str) -> int | None:
     for key in path:
         value = value.get(key) if isinstance(value, dict) else None
     return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def readings_dropped(heartbeat: Mapping[str, Any] | None) -> int | None:
+    """Readings the device's budget dropped: READINGS' when it packs (its TELEMETRY then
+    counts packs), else TELEMETRY's."""
+    readings = _beat_figure(heartbeat, "streams", READINGS, "dropped")
+    return (
+        readings
+        if readings is not None
+        else _beat_figure(heartbeat, "streams", "TELEMETRY", "dropped")
+    )
 
 
 def _beat_uplinks(heartbeat: Mapping[str, Any] | None) -> dict[str, dict[str, Any]]:
@@ -334,7 +346,7 @@ async def _device_report(fleet: _Fleet, device: Device) -> tuple[DeviceReport, l
         last_heartbeat_at=format_time(beat_at) if beat_at else None,
         last_heartbeat_age_s=beat_age,
         last_seen_s=last_seen,
-        telemetry_dropped=_beat_figure(heartbeat, "streams", "TELEMETRY", "dropped"),
+        telemetry_dropped=readings_dropped(heartbeat),
         dead_letters=_beat_figure(heartbeat, "outbox", "dead_letters"),
         commands=counts,
         last_error=last_error,
