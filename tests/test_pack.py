@@ -217,3 +217,22 @@ def test_the_report_counts_a_packed_devices_dropped_readings_not_packs() -> None
     packed = beat({"TELEMETRY": {"dropped": 3}, "READINGS": {"dropped": 0}})
     assert readings_dropped(packed) == 0
     assert readings_dropped(beat({"TELEMETRY": {"dropped": 3}})) == 3
+
+
+@pytest.mark.timeout(120)
+async def test_a_readings_stream_made_again_continues_after_the_last_packed_reading(
+    hub: Hub,
+) -> None:
+    """``READINGS`` lost (a power cut's damaged stream is set aside and made again) while
+    ``TELEMETRY`` keeps its packs: the new one starts after the last reading packed, so no
+    reading takes a sequence the hub already has under the same incarnation."""
+    device = await hub.device("p4", sections=PACKED)
+    await _publish(device, 0, 10)
+    await eventually(partial(_packed_on_island, device, 10), timeout=30)
+    await device.js.delete_stream("READINGS")
+    await device.stop()
+    await device.start()
+    assert (await device.js.stream_info("READINGS")).state.first_seq == 11
+    await _publish(device, 10, 5)
+    await eventually(partial(_packed_on_island, device, 15), timeout=30)
+    assert packed_seqs(await stream_messages(device.js, "TELEMETRY")) == list(range(1, 16))

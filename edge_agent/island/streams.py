@@ -55,7 +55,7 @@ from edge_agent.protocol.names import (
     hub_deliver_subject,
     island_deliver_subject,
 )
-from edge_agent.protocol.pack import PACK_SUBJECT, READINGS
+from edge_agent.protocol.pack import PACK_HEADER, PACK_SUBJECT, READINGS, pack_range
 from edge_agent.protocol.reconcile import (
     MIRROR_WINDOW,
     Reconciled,
@@ -90,20 +90,46 @@ def _outbound(
     )
 
 
-def _telemetry(config: Config, incarnation: str | None, packed: bool) -> list[StreamConfig]:
+def _telemetry(
+    config: Config, incarnation: str | None, packed: bool, readings_from: int | None
+) -> list[StreamConfig]:
     budget = config.streams.telemetry
     if not packed:
         return [_outbound(TELEMETRY, "tele.>", budget, incarnation)]
     half = StreamBudget(budget.max_bytes // 2, budget.max_age)
     readings = _outbound(READINGS, "tele.>", half, None)
+    readings.first_seq = readings_from
     return [readings, _outbound(TELEMETRY, PACK_SUBJECT, half, incarnation)]
 
 
+async def readings_from(js: JetStreamContext) -> int | None:
+    """Where a ``READINGS`` made again (set aside after a power cut) must start: after the
+    last reading packed, so that its readings never take sequences the hub already has under
+    the same incarnation. None: ``READINGS`` exists, or no pack says."""
+    try:
+        await js.stream_info(READINGS)
+        return None
+    except NotFoundError:
+        pass
+    try:
+        if not (await js.stream_info(TELEMETRY)).state.messages:
+            return None
+    except NotFoundError:
+        return None
+    msg = await js.get_last_msg(TELEMETRY, PACK_SUBJECT, direct=True)
+    return pack_range((msg.headers or {})[PACK_HEADER])[1] + 1
+
+
 def desired_streams(
-    config: Config, incarnations: Mapping[str, str] | None = None, *, packed: bool = False
+    config: Config,
+    incarnations: Mapping[str, str] | None = None,
+    *,
+    packed: bool = False,
+    readings_from: int | None = None,
 ) -> list[StreamConfig]:
     """The streams the island must have, as configured (outbound ones in `incarnations`);
-    `packed`: its telemetry crosses in packs."""
+    `packed`: its telemetry crosses in packs, and a new ``READINGS`` starts at
+    `readings_from`."""
     incarnations = incarnations or {}
     mirror = StreamSource(
         name=command_stream(config.device_id),
@@ -115,7 +141,7 @@ def desired_streams(
         ),
     )
     return [
-        *_telemetry(config, incarnations.get(TELEMETRY), packed),
+        *_telemetry(config, incarnations.get(TELEMETRY), packed, readings_from),
         _outbound(EVENTS, "evt.>", config.streams.events, incarnations.get(EVENTS)),
         StreamConfig(
             name=COMMAND_MIRROR,
@@ -227,7 +253,8 @@ async def reconcile(js: JetStreamContext, config: Config) -> list[Reconciled]:
         chosen = {name: found[name] or fresh for name in OUTBOUND}
         if new := [name for name in OUTBOUND if found[name] is None]:
             log.info("incarnation_started", incarnation=fresh, streams=new)
-        wanted = desired_streams(config, chosen, packed=packed)
+        start = await readings_from(js) if packed else None
+        wanted = desired_streams(config, chosen, packed=packed, readings_from=start)
         results = [await reconcile_stream(js, want) for want in wanted]
         for name, incarnation in chosen.items():
             await js.add_consumer(name, hub_consumer_config(config, name, incarnation, packed))
