@@ -179,6 +179,9 @@ async def healed(js: JetStreamContext) -> dict[tuple[str, str, str], Healed]:
     sequence. A packed mirror's gaps are packs: its refilled packs count the readings they
     hold, and the packs it lost are not counted as readings (which readings they held is
     gone with them), so the audit shows the missing readings as unexplained."""
+    records = await read_gaps(js)
+    if not records:
+        return {}
     packed = {
         mirror_name(d.device_id, i)
         for d in await (await Registry.open(js)).list()
@@ -186,7 +189,7 @@ async def healed(js: JetStreamContext) -> dict[tuple[str, str, str], Healed]:
         if i.packed
     }
     found = {}
-    for name, record in (await read_gaps(js)).items():
+    for name, record in records.items():
         key = (record.device_id, record.incarnation, record.device_stream)
         if name in packed:
             found[key] = Healed(frozenset(await _refilled_readings(js, name)), {})

@@ -20,6 +20,9 @@ arrival time, so ``device_time`` is read from that mirror (batch direct gets,
 ``$JS.API.DIRECT.GET.<stream>`` with ``{"seq", "batch"}``), which keeps the device's store
 times; the aggregate is sourced from the mirror, so the mirror always has the row already.
 A row whose mirror copy retention has since removed gets a null ``device_time``.
+A pack of readings (``Edge-Pack``, `edge_agent.protocol.pack`) becomes one row per reading,
+with the reading's own sequence, subject, store time, headers and payload
+(`hub_ingest.archive.columns.unpack`).
 
 Options (keys arrive lower-cased): ``servers`` (comma-separated URLs), ``credentials``,
 ``streams`` (or ``stream``; comma-separated), ``domain``, ``maxMessagesPerTrigger``,
