@@ -163,11 +163,23 @@ class Hub(LocalHub):
         return await stream_messages(self.js, stream)
 
     async def close(self) -> None:
-        await self.stop_watching()
-        for device in self.devices:
-            await device.stop()
-            await device.proxy.close()
-        await super().close()
+        """Stop the watcher, every device and the hub, each even when one before it failed.
+
+        A `CancelledError` not aimed at this task (one a client library leaked) is reported as
+        a `RuntimeError`: pytest stops tearing a test down on a `BaseException`, and the next
+        test would then be handed this one's fixtures (its `tmp_path`, with a hub's state in it).
+        """
+        try:
+            async with contextlib.AsyncExitStack() as stack:
+                stack.push_async_callback(super().close)
+                for device in self.devices:
+                    stack.push_async_callback(device.proxy.close)
+                    stack.push_async_callback(device.stop)
+                stack.push_async_callback(self.stop_watching)
+        except asyncio.CancelledError as exc:
+            if (task := asyncio.current_task()) is not None and task.cancelling():
+                raise
+            raise RuntimeError("closing the hub was cancelled from within") from exc
 
 
 @dataclass
