@@ -23,17 +23,16 @@ import nats.errors
 import structlog
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, StreamInfo
 from nats.js.errors import APIError, NotFoundError
 
+from edge_agent.island.streams import last_packed
 from edge_agent.protocol.names import INCARNATION, TELEMETRY, hub_consumer
 from edge_agent.protocol.pack import (
-    PACK_HEADER,
     PACK_SUBJECT,
     READINGS,
     Reading,
     encode,
-    pack_range,
 )
 
 log = structlog.get_logger(__name__)
@@ -75,7 +74,7 @@ class Packer:
         """Pack from the cursor on, until the island fails."""
         info = await self.js.stream_info(TELEMETRY)
         consumer = hub_consumer((info.config.metadata or {}).get(INCARNATION, ""))
-        last, cursor = info.state.last_seq, await self._cursor(info.state.messages)
+        last, cursor = info.state.last_seq, await self._cursor(info)
         sub = await self.js.pull_subscribe(
             "",
             stream=READINGS,
@@ -100,11 +99,10 @@ class Packer:
         finally:
             await sub.unsubscribe()
 
-    async def _cursor(self, packs: int) -> int:
+    async def _cursor(self, telemetry: StreamInfo) -> int:
         """The last reading packed; with no pack left, the one before the first there is."""
-        if packs:
-            msg = await self.js.get_last_msg(TELEMETRY, PACK_SUBJECT, direct=True)
-            return pack_range((msg.headers or {})[PACK_HEADER])[1]
+        if (last := await last_packed(self.js, telemetry)) is not None:
+            return last
         return max((await self.js.stream_info(READINGS)).state.first_seq - 1, 0)
 
     async def _await_room(self, consumer: str) -> None:

@@ -36,6 +36,7 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
     StreamConsumerSource,
+    StreamInfo,
     StreamSource,
 )
 from nats.js.errors import APIError, NotFoundError
@@ -102,7 +103,16 @@ def _telemetry(
     return [readings, _outbound(TELEMETRY, PACK_SUBJECT, half, incarnation)]
 
 
-async def readings_from(js: JetStreamContext) -> int | None:
+async def last_packed(js: JetStreamContext, telemetry: StreamInfo) -> int | None:
+    """The ``READINGS`` sequence of the last reading packed into `telemetry` (None: it holds
+    no pack). The packer's cursor, and where a ``READINGS`` made again starts."""
+    if not telemetry.state.messages:
+        return None
+    msg = await js.get_last_msg(TELEMETRY, PACK_SUBJECT, direct=True)
+    return pack_range((msg.headers or {})[PACK_HEADER])[1]
+
+
+async def readings_from(js: JetStreamContext, telemetry: StreamInfo | None) -> int | None:
     """Where a ``READINGS`` made again (set aside after a power cut) must start: after the
     last reading packed, so that its readings never take sequences the hub already has under
     the same incarnation. None: ``READINGS`` exists, or no pack says."""
@@ -111,13 +121,8 @@ async def readings_from(js: JetStreamContext) -> int | None:
         return None
     except NotFoundError:
         pass
-    try:
-        if not (await js.stream_info(TELEMETRY)).state.messages:
-            return None
-    except NotFoundError:
-        return None
-    msg = await js.get_last_msg(TELEMETRY, PACK_SUBJECT, direct=True)
-    return pack_range((msg.headers or {})[PACK_HEADER])[1] + 1
+    last = None if telemetry is None else await last_packed(js, telemetry)
+    return None if last is None else last + 1
 
 
 def desired_streams(
@@ -193,29 +198,35 @@ def hub_consumer_config(
     )
 
 
-async def packs_telemetry(js: JetStreamContext, config: Config) -> bool:
+def packs_telemetry(telemetry: StreamInfo | None, config: Config) -> bool:
     """Whether the island's telemetry crosses in packs: as its ``TELEMETRY`` holds, or, for
     one not made yet, as configured (``hub.pack``)."""
-    try:
-        subjects = (await js.stream_info(TELEMETRY)).config.subjects or []
-    except NotFoundError:
+    if telemetry is None:
         return config.hub.pack
-    packed = subjects == [PACK_SUBJECT]
+    packed = (telemetry.config.subjects or []) == [PACK_SUBJECT]
     if packed != config.hub.pack:
         log.warning("telemetry_packing_kept", packed=packed, configured=config.hub.pack)
     return packed
 
 
-async def incarnations(js: JetStreamContext) -> dict[str, str | None]:
-    """The incarnation of each outbound stream on the island (None: no stream, or no id)."""
-    found: dict[str, str | None] = {}
+async def outbound_streams(js: JetStreamContext) -> dict[str, StreamInfo | None]:
+    """Each outbound stream on the island, as it is now (None: not there)."""
+    found: dict[str, StreamInfo | None] = {}
     for name in OUTBOUND:
         try:
-            metadata = (await js.stream_info(name)).config.metadata or {}
+            found[name] = await js.stream_info(name)
         except NotFoundError:
-            metadata = {}
-        found[name] = metadata.get(INCARNATION)
+            found[name] = None
     return found
+
+
+def _incarnation(info: StreamInfo | None) -> str | None:
+    return None if info is None else (info.config.metadata or {}).get(INCARNATION)
+
+
+async def incarnations(js: JetStreamContext) -> dict[str, str | None]:
+    """The incarnation of each outbound stream on the island (None: no stream, or no id)."""
+    return {name: _incarnation(info) for name, info in (await outbound_streams(js)).items()}
 
 
 CONSUMER_NOT_FOUND = 10014  # JetStream's err_code
@@ -248,12 +259,13 @@ async def reconcile(js: JetStreamContext, config: Config) -> list[Reconciled]:
     """
     fresh = new_incarnation()
     try:
-        found = await incarnations(js)
-        packed = await packs_telemetry(js, config)
+        infos = await outbound_streams(js)
+        found = {name: _incarnation(info) for name, info in infos.items()}
+        packed = packs_telemetry(infos[TELEMETRY], config)
         chosen = {name: found[name] or fresh for name in OUTBOUND}
         if new := [name for name in OUTBOUND if found[name] is None]:
             log.info("incarnation_started", incarnation=fresh, streams=new)
-        start = await readings_from(js) if packed else None
+        start = await readings_from(js, infos[TELEMETRY]) if packed else None
         wanted = desired_streams(config, chosen, packed=packed, readings_from=start)
         results = [await reconcile_stream(js, want) for want in wanted]
         for name, incarnation in chosen.items():
