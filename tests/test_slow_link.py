@@ -36,3 +36,15 @@ async def test_packed_backlog_crosses_a_lossy_cut_link_once(tmp_path: Path) -> N
     run = await drain(tmp_path, 3000, lossy, "s2_auto", cuts=2, packed=True)
     assert (run.at_hub, run.lost, run.duplicated) == (3000, 0, 0)
     assert 0 <= run.command_start_s < 5, f"the command waited {run.command_start_s:.1f}s"
+
+
+async def test_a_packed_backlog_leaves_a_poor_link_room_for_the_devices_requests(
+    tmp_path: Path,
+) -> None:
+    """A new device's agent learns its command fence from the hub, up the link the backlog
+    fills. With full packs, the hub's window held 9 s of this uncompressed 256 kbit/s link
+    and the fence's requests timed out behind it until the backlog was gone (the command
+    started after 4-22 s); paced packs (`edge_agent.island.pace`) keep a round near 2 s."""
+    run = await drain(tmp_path, 2400, SHAPES["rural"], "off", packed=True)
+    assert (run.at_hub, run.lost, run.duplicated) == (2400, 0, 0)
+    assert 0 <= run.command_start_s < 2, f"the command waited {run.command_start_s:.1f}s"

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from dataclasses import dataclass
 
 import nats.errors
@@ -26,6 +27,7 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, StreamInfo
 from nats.js.errors import APIError, NotFoundError
 
+from edge_agent.island.pace import Pace
 from edge_agent.island.streams import last_packed
 from edge_agent.protocol.names import INCARNATION, TELEMETRY, hub_consumer
 from edge_agent.protocol.pack import (
@@ -37,14 +39,16 @@ from edge_agent.protocol.pack import (
 
 log = structlog.get_logger(__name__)
 
-PACK_READINGS = 256  # at most, per pack
-PACK_BYTES = 32 * 1024  # of payload per pack, at most (a larger reading goes alone)
+PACK_READINGS = 256  # at most, per pack (its bytes: `edge_agent.island.pace`)
 # Packs made ahead of what the hub's mirror has been sent. With 4 the drain waited on the
 # packer's polls at every flow-control round trip; 16 sends half a window of 32
 # (`edge_agent.island.streams.PACK_WINDOW`) at once, and the rest is packed while it crosses.
 LEAD = 16
 IDLE_S = 0.2  # the longest a reading waits for the packer when nothing is queued
-_POLL_S = (0.05, 1.0)  # how often the hub's progress is checked: while it moves, at most
+# How often the hub's progress is checked: while it moves, at most, while a round crosses
+# (`edge_agent.island.pace` times it), and while it has not moved for `_STILL_S`.
+_POLL_S = (0.05, 0.2, 1.0)
+_STILL_S = 10.0
 _RETRY_S = 1.0  # after an island error, before the packer starts again
 
 
@@ -53,13 +57,15 @@ class PackerStats:
     packs: int = 0
     readings: int = 0
     skipped: int = 0  # removed from READINGS by its budget or max_age before being packed
+    pack_bytes: int = 0  # what a pack may hold now, as the link's pace says
 
 
 class Packer:
     def __init__(self, js: JetStreamContext, max_payload: int) -> None:
         self.js = js
         self.max_payload = max_payload
-        self.stats = PackerStats()
+        self.pace = Pace()
+        self.stats = PackerStats(pack_bytes=self.pace.pack_bytes)
         self._held: list[Msg] = []  # fetched, not packed yet
 
     async def run(self) -> None:
@@ -108,16 +114,25 @@ class Packer:
     async def _await_room(self, consumer: str) -> None:
         """Until the hub's mirror has at most `LEAD` packs left to take; asked often while
         it takes them, less and less often while it does not (a link down for hours)."""
-        poll, before = _POLL_S[0], None
+        poll, before, still = _POLL_S[0], None, time.monotonic()
         while True:
             try:
-                pending = (await self.js.consumer_info(TELEMETRY, consumer)).num_pending
+                info = await self.js.consumer_info(TELEMETRY, consumer)
             except NotFoundError:
                 pending = LEAD + 1  # not made yet: the reconcile is on its way
+            else:
+                pending = info.num_pending
+                window = info.config.max_ack_pending or 1
+                floor, in_flight = info.ack_floor.stream_seq, info.num_ack_pending
+                self.pace.observe(floor, in_flight, window, time.monotonic())
+                self.stats.pack_bytes = self.pace.pack_bytes
             if pending <= LEAD:
                 return
-            poll = _POLL_S[0] if pending != before else min(poll * 2, _POLL_S[1])
-            before = pending
+            if pending != before:
+                poll, before, still = _POLL_S[0], pending, time.monotonic()
+            else:
+                longest = _POLL_S[2] if time.monotonic() - still > _STILL_S else _POLL_S[1]
+                poll = min(poll * 2, longest)
             await asyncio.sleep(poll)
 
     async def _next(self, sub: JetStreamContext.PullSubscription) -> list[Reading]:
@@ -129,7 +144,7 @@ class Packer:
                 self._held += await sub.fetch(PACK_READINGS - len(self._held), timeout=IDLE_S)
         taken, size = 0, 0
         for msg in self._held:
-            if taken and size + len(msg.data) > PACK_BYTES:
+            if taken and size + len(msg.data) > self.pace.pack_bytes:
                 break
             taken, size = taken + 1, size + len(msg.data)
         chosen, self._held = self._held[:taken], self._held[taken:]
@@ -144,6 +159,7 @@ class Packer:
             return last
         headers["Nats-Expected-Last-Sequence"] = str(last)
         ack = await self.js.publish(PACK_SUBJECT, body, stream=TELEMETRY, headers=headers)
+        self.pace.sent(ack.seq, len(body), cut=bool(self._held))
         self.stats.packs += 1
         self.stats.readings += len(readings)
         return ack.seq
