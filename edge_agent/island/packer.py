@@ -2,8 +2,9 @@
 
 It packs what the link is about to carry, not what arrives: while the hub's mirror has more
 than `LEAD` packs still to take (the link is down or full), it waits, and the readings wait
-in ``READINGS``; when the link drains them it packs the backlog in full packs. Over an idle
-link a reading crosses alone within `IDLE_S`.
+in ``READINGS``; when the link drains them it packs the backlog in packs as large as the
+link's pace allows (`edge_agent.island.pace`, from the hub's acknowledgements it polls
+here). Over an idle link a reading crosses alone within `IDLE_S`.
 
 Its cursor is ``TELEMETRY`` itself: the last pack's ``Edge-Pack`` header names the last
 reading packed, and each pack is published expecting the stream's last sequence, so a

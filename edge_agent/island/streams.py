@@ -162,11 +162,12 @@ def desired_streams(
 
 
 UNCOMPRESSED_WINDOW = 1_000  # nats-server's default max_ack_pending
-# Packs of up to 32 KiB of readings (`edge_agent.island.packer`). The origin asks for flow
-# control (which acknowledges) once the window is full, so a window crosses per round trip,
-# and whatever else goes up the link waits behind it (bench/slow_link.py --pack, compressed
-# 600 ms, 1 Mbit/s: 16 packs 17.7 s, 24 13.0 s, 32 11.3 s; a command on 256 kbit/s waited
-# 0.7-3.7 s). Uncompressed, 16 kept a command 23 s behind them on 256 kbit/s, 6 0.18 s.
+# Packs (`edge_agent.island.packer`). The origin asks for flow control (which acknowledges)
+# once the window is full, so a window crosses per round trip, and whatever else goes up the
+# link waits behind it: packs are sized so that a window takes about 2 s
+# (`edge_agent.island.pace`). With full 32 KiB packs, compressed 600 ms, 1 Mbit/s: 16 packs
+# 17.7 s, 24 13.0 s, 32 11.3 s (bench/slow_link.py --pack), and on 256 kbit/s a new
+# device's fence waited behind 32 packs until the backlog was gone.
 PACK_WINDOW = 32
 UNCOMPRESSED_PACK_WINDOW = 6
 

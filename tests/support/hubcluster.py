@@ -136,9 +136,11 @@ class ClusterHub(Hub):
         return True
 
     async def close(self) -> None:
-        await super().close()
-        for node in NODES:
-            await self.nodes[node].stop()
+        try:
+            await super().close()
+        finally:
+            for node in NODES:
+                await self.nodes[node].stop()
 
 
 async def start_cluster_hub(
