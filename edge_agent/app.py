@@ -64,10 +64,6 @@ log = structlog.get_logger(__name__)
 
 _STRAGGLER_GRACE_S = 5.0  # after the TaskGroup's cancel, before cancelling again
 _DRAIN_TIMEOUT_S = 5.0  # nats-py would wait 30 s to drain the island connection
-# The agent's requests to the hub (the command fence, fast resume's reads) cross the device's
-# link behind a window of telemetry, about 2 s of it when packed (`edge_agent.island.pace`),
-# and a lost segment's retransmission: with 2 s they timed out on 256 kbit/s while it drained.
-_HUB_REQUEST_TIMEOUT_S = 5.0
 
 
 def shutdown_budget(config: Config) -> float:
@@ -236,7 +232,7 @@ class Agent:
             on_restart=self._restart,
         )
         self.executor = executor
-        hub_js = self._nc.jetstream(domain=self.config.hub.domain, timeout=_HUB_REQUEST_TIMEOUT_S)
+        hub_js = self._nc.jetstream(domain=self.config.hub.domain, timeout=2.0)
         if not await fence.load():
             self._spawn(tg, self._after_ready(lambda: self._learn_fence(fence, js, hub_js)))
         self._spawn(tg, self._reconcile_loop(tg, js))
