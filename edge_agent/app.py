@@ -48,10 +48,11 @@ from edge_agent.island.link import LinkTracker, write_clock
 from edge_agent.island.packer import Packer
 from edge_agent.island.server import STOP_TIMEOUT_S, Island
 from edge_agent.island.streams import reconcile
+from edge_agent.island.windows import Windows
 from edge_agent.outbox.drain import Drainer
 from edge_agent.outbox.store import Outbox
 from edge_agent.protocol.files import write_json
-from edge_agent.protocol.names import EVENTS, command_stream, inbox_prefix
+from edge_agent.protocol.names import EVENTS, OUTBOUND, TELEMETRY, command_stream, inbox_prefix
 from edge_agent.protocol.pack import READINGS
 from edge_agent.protocol.units import utc_now_iso
 from edge_agent.status.health import Status, collect_status, heartbeat_payload, with_drain_rates
@@ -290,9 +291,12 @@ class Agent:
                 self._island_was_fresh = any(
                     r.name == EVENTS and r.change == "created" for r in results
                 )
+                unpacked: tuple[str, ...] = OUTBOUND
                 if any(r.name == READINGS for r in results):  # telemetry crosses in packs
                     self.packer = Packer(js, self.config.island.max_payload)
                     self._spawn(tg, self.packer.run())
+                    unpacked = tuple(s for s in OUTBOUND if s != TELEMETRY)
+                self._spawn(tg, Windows(js, self.island.monitor, self.config, unpacked).run())
             if not self.ready.is_set():
                 self.notifier.ready()
                 running = {"version": __version__, "pid": os.getpid(), "ready_at": utc_now_iso()}

@@ -6,10 +6,9 @@ from __future__ import annotations
 import pytest
 
 from edge_agent.island.compression import OFF, ON, choose, link_mode
-from edge_agent.island.streams import UNCOMPRESSED_WINDOW
+from edge_agent.island.streams import START_WINDOW, UNCOMPRESSED_START_WINDOW
 from edge_agent.protocol.monitor import Monitor, go_duration
 from edge_agent.protocol.names import OUTBOUND
-from edge_agent.protocol.reconcile import MIRROR_WINDOW
 from hub_ingest.local.link import Shape
 from tests.support.cluster import Device, Hub
 from tests.support.waiting import RESUME_TIMEOUT, eventually
@@ -61,9 +60,9 @@ async def test_a_slow_link_is_compressed_and_a_fast_one_is_not(hub: Hub) -> None
     assert await _leaf_compression(fast.monitor) == OFF
     assert link_mode(fast.config) == OFF
     # The hub's mirrors get the window of the link's mode: the slow link's grew with the switch.
-    assert await _uplink_windows(fast) == {UNCOMPRESSED_WINDOW}
+    assert await _uplink_windows(fast) == {UNCOMPRESSED_START_WINDOW}
     await eventually(
-        lambda: _has_windows(slow, {MIRROR_WINDOW}), timeout=30, what="the compressed window"
+        lambda: _has_windows(slow, {START_WINDOW}), timeout=30, what="the compressed window"
     )
 
     # The choice outlives the agent: the island starts with it next time.

@@ -1,9 +1,18 @@
-"""The packer's pace (`edge_agent.island.pace`): packs sized so that one window of the hub's
-mirror crosses in `ROUND_S`, from the rounds the hub acknowledges."""
+"""The uplink's pace (`edge_agent.island.pace`): packs, or an unpacked stream's window, sized
+so that one window of the hub's mirror crosses in `ROUND_S`, from the rounds the hub
+acknowledges."""
 
 from __future__ import annotations
 
-from edge_agent.island.pace import MAX_BYTES, MIN_BYTES, ROUND_S, START_BYTES, Pace
+from edge_agent.island.pace import (
+    MAX_BYTES,
+    MIN_BYTES,
+    MIN_WINDOW,
+    ROUND_S,
+    START_BYTES,
+    Pace,
+    Window,
+)
 
 WINDOW = 8
 
@@ -68,3 +77,60 @@ def test_a_telemetry_made_again_starts_the_count_over() -> None:
     _round(pace, 1, WINDOW, START_BYTES, 4.0, full=True)  # sequences from 1 again
     _round(pace, WINDOW + 1, WINDOW, START_BYTES, 5.0, full=True)  # twice as fast now
     assert pace.pack_bytes > measured
+
+
+def _window_round(window: Window, floor: int, at: float, *, full: bool) -> int:
+    """One round of `window.size` messages acknowledged at `at`, the window seen full (or
+    not) while they crossed; the new floor."""
+    size = window.size
+    window.observe(floor, size if full else 1, size, at - 0.1)
+    window.observe(floor + size, 0, size, at)
+    return floor + size
+
+
+def test_a_window_is_what_the_link_carries_in_a_round() -> None:
+    window = Window(size=1_000, most=10_000)
+    floor = _window_round(window, 0, 1.0, full=True)  # starts the clock
+    assert window.size == 1_000
+    floor = _window_round(window, floor, 5.0, full=True)  # 1,000 in 4 s: 250/s
+    assert window.size == int(250 * ROUND_S)
+    # A fast link: rounds of 0.5 s. The window grows, 4x a round at most, up to the most; the
+    # round after a change started with the old window, and is not a measure.
+    sizes = []
+    for at in (5.5, 6.0, 6.5, 7.0, 7.5, 8.0):
+        floor = _window_round(window, floor, at, full=True)
+        sizes.append(window.size)
+    assert sizes == [500, 2_000, 2_000, 8_000, 8_000, 10_000]
+    # Not full: the window was not what held the link back, so it says nothing.
+    _window_round(window, floor, 50.0, full=False)
+    assert window.size == 10_000
+
+
+def test_a_window_shrinks_no_more_than_a_round_allows_nor_below_the_least() -> None:
+    window = Window(size=1_000, most=10_000)
+    floor = _window_round(window, 0, 1.0, full=True)
+    floor = _window_round(window, floor, 1.0 + 3 * ROUND_S, full=True)  # 1,000 in 6 s
+    assert window.size == 333
+    window = Window(size=100, most=10_000)
+    floor = _window_round(window, 0, 1.0, full=True)
+    _window_round(window, floor, 1.0 + 3 * ROUND_S, full=True)
+    assert window.size == MIN_WINDOW
+    # A round as long as a cut link, or a stream made again (its floor drops), is no measure.
+    window = Window(size=1_000, most=10_000)
+    floor = _window_round(window, 0, 1.0, full=True)
+    floor = _window_round(window, floor, 1.0 + 10 * ROUND_S, full=True)
+    assert window.size == 1_000
+    window.observe(5, 1_000, 1_000, 30.0)
+    window.observe(10, 0, 1_000, 30.5)
+    assert window.size == 1_000
+
+
+def test_a_long_round_trip_is_not_counted_as_the_link_carrying_less() -> None:
+    """On a 600 ms link, a window of 1,000 that took 2.6 s a round crossed in 2 s."""
+    window = Window(size=1_000, most=10_000, rtt=0.6)
+    floor = _window_round(window, 0, 1.0, full=True)
+    _window_round(window, floor, 3.6, full=True)
+    assert window.size == 1_000
+    window.rtt = 0.0  # as if the round trip were the link's slowness
+    _window_round(window, floor + 1_000, 6.2, full=True)
+    assert window.size == int(1_000 / 2.6 * ROUND_S)

@@ -48,3 +48,16 @@ async def test_a_packed_backlog_leaves_a_poor_link_room_for_the_devices_requests
     run = await drain(tmp_path, 2400, SHAPES["rural"], "off", packed=True)
     assert (run.at_hub, run.lost, run.duplicated) == (2400, 0, 0)
     assert 0 <= run.command_start_s < 2, f"the command waited {run.command_start_s:.1f}s"
+
+
+async def test_a_backlog_leaves_a_poor_link_room_for_a_command_sent_while_it_was_cut(
+    tmp_path: Path,
+) -> None:
+    """Unpacked, the hub's mirror window is sized to the link (`edge_agent.island.windows`):
+    with the fixed window of 1,000 readings (12 s of this uncompressed 256 kbit/s link) a
+    command sent while the link was cut started 24 s after it returned, its fast resume
+    reads queued behind the backlog."""
+    run = await drain(tmp_path, 1200, SHAPES["rural"], "off")
+    assert (run.at_hub, run.lost, run.duplicated) == (1200, 0, 0)
+    assert 0 <= run.offline_command_s < 5, f"the command waited {run.offline_command_s:.1f}s"
+    assert 0 <= run.command_start_s < 2, f"the command waited {run.command_start_s:.1f}s"

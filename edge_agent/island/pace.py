@@ -1,4 +1,4 @@
-"""How large the packer's packs are: one window of the hub's mirror crosses in `ROUND_S`.
+"""The uplink's pace: one window of the hub's mirror crosses the link in about `ROUND_S`.
 
 The hub's mirror takes packs through a consumer on the island that acknowledges by flow
 control: it sends up to its window (`max_ack_pending` packs), then waits for the hub's reply
@@ -11,7 +11,11 @@ set its pace, and a pack becomes what the link carried per second times `ROUND_S
 by the window; a round then settles at `ROUND_S` (the window's crossing plus the reply's
 round trip), whatever the link, and a request queues behind at most about that. When the
 window was not full but packs were cut to size (readings were left for the next one), the
-link could take more: packs double, up to `MAX_BYTES`. Packs start at `MIN_BYTES`.
+link could take more: packs double, up to `MAX_BYTES`. Packs start at `START_BYTES`.
+
+An unpacked stream's messages are as large as apps make them, so there the window itself is
+sized (`Window`): what the link carried per second while a full window crossed, times
+`ROUND_S`.
 """
 
 from __future__ import annotations
@@ -25,6 +29,11 @@ MIN_BYTES = 2 * 1024  # about ten readings: below it, per-message costs come bac
 START_BYTES = 8 * 1024
 MAX_BYTES = 32 * 1024  # of payload per pack, at most (a larger reading goes alone)
 _STALL_S = 4 * ROUND_S  # a round longer than this was a link down, not a measure
+MIN_WINDOW = 50  # messages: below it, the link idles a round trip for too little
+# A window changes at most this much per round: a round timed between two polls may look
+# far shorter or longer than it was.
+_GROWTH = 4
+_RESIZE = 0.2  # a window is set again only when the pace asks for this much more or less
 
 
 @dataclass(slots=True)
@@ -65,3 +74,44 @@ class Pace:
         else:
             return
         self.pack_bytes = int(min(max(size, MIN_BYTES), MAX_BYTES))
+
+
+@dataclass(slots=True)
+class Window:
+    """The window (`max_ack_pending`) of an unpacked stream's hub consumer: what the link
+    carries in `ROUND_S`, from `MIN_WINDOW` to `most` messages.
+
+    A round is the window crossing, then the hub's reply coming back: the link carried the
+    window in the round less one round trip of the link (`rtt`, at its least lately). On a
+    600 ms satellite link, sizing the whole round to 2 s left the link idle half the time.
+    """
+
+    size: int
+    most: int
+    rtt: float = 0.0
+    _floor: int = 0
+    _since: float | None = None
+    _full: bool = False
+
+    def observe(self, floor: int, in_flight: int, window: int, now: float) -> None:
+        """As `Pace.observe`, counting messages: the hub acknowledged up to `floor`, with
+        `in_flight` delivered and not acknowledged, of `window` at most."""
+        if floor < self._floor:  # the stream was made again
+            self._floor, self._since = floor, None
+        if floor > self._floor:
+            since, self._since = self._since, now
+            if self._full and since is not None and 0 < now - since <= _STALL_S:
+                crossing = max(now - since - self.rtt, (now - since) / _GROWTH)
+                self._resize((floor - self._floor) / crossing)
+            self._floor, self._full = floor, False
+        self._full = self._full or in_flight >= window
+
+    def _resize(self, rate: float) -> None:
+        wanted = min(max(rate * ROUND_S, self.size / _GROWTH), self.size * _GROWTH)
+        wanted = min(max(wanted, MIN_WINDOW), self.most)
+        if abs(wanted - self.size) > _RESIZE * self.size:
+            self.size = int(wanted)
+            # The round under way started with the old window (a larger one is sent into it
+            # at once; a smaller one waits for the flow control already asked for): it
+            # measures neither.
+            self._since = None

@@ -58,7 +58,6 @@ from edge_agent.protocol.names import (
 )
 from edge_agent.protocol.pack import PACK_HEADER, PACK_SUBJECT, READINGS, pack_range
 from edge_agent.protocol.reconcile import (
-    MIRROR_WINDOW,
     Reconciled,
     mirror_consumer,
     reconcile_stream,
@@ -161,7 +160,12 @@ def desired_streams(
     ]
 
 
-UNCOMPRESSED_WINDOW = 1_000  # nats-server's default max_ack_pending
+# Unpacked, a window starts as what crosses the slowest link planned for (256 kbit/s) in about
+# 2 s, and `edge_agent.island.windows` sizes it to the link's pace from there, up to
+# `MIRROR_WINDOW`. A reading takes ~50 bytes of a compressed link and ~400 of an uncompressed
+# one (subject, reply and headers beside a 200-byte body).
+START_WINDOW = 1_000
+UNCOMPRESSED_START_WINDOW = 150
 # Packs (`edge_agent.island.packer`). The origin asks for flow control (which acknowledges)
 # once the window is full, so a window crosses per round trip, and whatever else goes up the
 # link waits behind it: packs are sized so that a window takes about 2 s
@@ -173,18 +177,17 @@ UNCOMPRESSED_PACK_WINDOW = 6
 
 
 def uplink_window(config: Config, packed: bool = False) -> int:
-    """Deliveries the hub's mirrors may have in flight over this device's link.
+    """Deliveries the hub's mirrors may have in flight over this device's link, at first.
 
     Whatever else goes up the link (fast resume's reads of the hub's commands, status
-    requests) queues behind them. Compressed, a reading takes ~50 bytes of the link and
-    `MIRROR_WINDOW` pays (a command still started within 2.2 s on a 256 kbit/s link).
-    Uncompressed, it takes ~400: on that link a command waited 30 s behind 10,000 and
-    7.8-14 s behind the server's default of 1,000, kept for uncompressed links. A pack holds
-    many readings, so the window of a packed stream is counted in packs."""
+    requests) queues behind them: on a 256 kbit/s link with compression off, a command waited
+    30 s behind 10,000 readings and 7.8-14 s behind 1,000. So an unpacked stream's window is
+    then sized to the link (`edge_agent.island.windows`), a packed stream's packs are
+    (`edge_agent.island.pace`); a pack holds many readings, so its window counts packs."""
     compressed = link_mode(config) != OFF
     if packed:
         return PACK_WINDOW if compressed else UNCOMPRESSED_PACK_WINDOW
-    return MIRROR_WINDOW if compressed else UNCOMPRESSED_WINDOW
+    return START_WINDOW if compressed else UNCOMPRESSED_START_WINDOW
 
 
 def hub_consumer_config(
