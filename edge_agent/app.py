@@ -236,7 +236,7 @@ class Agent:
         hub_js = self._nc.jetstream(domain=self.config.hub.domain, timeout=2.0)
         if not await fence.load():
             self._spawn(tg, self._after_ready(lambda: self._learn_fence(fence, js, hub_js)))
-        self._spawn(tg, self._reconcile_loop(tg, js))
+        self._spawn(tg, self._reconcile_loop(tg, self._nc))
         self._spawn(tg, self._every(self.config.agent.link_poll_interval, self._poll_link))
         self._spawn(tg, self.drainer.run())
         self._spawn(tg, self._every(self.config.agent.heartbeat_interval, self._heartbeat))
@@ -274,7 +274,8 @@ class Agent:
         self.restart_requested = True
         self.shutdown.set()
 
-    async def _reconcile_loop(self, tg: asyncio.TaskGroup, js: JetStreamContext) -> None:
+    async def _reconcile_loop(self, tg: asyncio.TaskGroup, nc: Client) -> None:
+        js = nc.jetstream()
         while True:
             await self._reconcile_needed.wait()
             self._reconcile_needed.clear()
@@ -296,7 +297,8 @@ class Agent:
                     self.packer = Packer(js, self.config.island.max_payload)
                     self._spawn(tg, self.packer.run())
                     unpacked = tuple(s for s in OUTBOUND if s != TELEMETRY)
-                self._spawn(tg, Windows(js, self.island.monitor, self.config, unpacked).run())
+                windows = Windows(nc, self.island.monitor, self.config, unpacked)
+                self._spawn(tg, windows.run())
             if not self.ready.is_set():
                 self.notifier.ready()
                 running = {"version": __version__, "pid": os.getpid(), "ready_at": utc_now_iso()}

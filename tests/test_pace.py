@@ -94,23 +94,23 @@ def test_a_window_is_what_the_link_carries_in_a_round() -> None:
     assert window.size == 1_000
     floor = _window_round(window, floor, 5.0, full=True)  # 1,000 in 4 s: 250/s
     assert window.size == int(250 * ROUND_S)
-    # A fast link: rounds of 0.5 s. The window grows, 4x a round at most, up to the most; the
-    # round after a change started with the old window, and is not a measure.
+    # A fast link: rounds of 0.5 s. The window doubles a round at most; the round after a
+    # change started with the old window, and is not a measure.
     sizes = []
     for at in (5.5, 6.0, 6.5, 7.0, 7.5, 8.0):
         floor = _window_round(window, floor, at, full=True)
         sizes.append(window.size)
-    assert sizes == [500, 2_000, 2_000, 8_000, 8_000, 10_000]
+    assert sizes == [500, 1_000, 1_000, 2_000, 2_000, 4_000]
     # Not full: the window was not what held the link back, so it says nothing.
     _window_round(window, floor, 50.0, full=False)
-    assert window.size == 10_000
+    assert window.size == 4_000
 
 
 def test_a_window_shrinks_no_more_than_a_round_allows_nor_below_the_least() -> None:
     window = Window(size=1_000, most=10_000)
     floor = _window_round(window, 0, 1.0, full=True)
     floor = _window_round(window, floor, 1.0 + 3 * ROUND_S, full=True)  # 1,000 in 6 s
-    assert window.size == 333
+    assert window.size == 500  # not 333: halved at most
     window = Window(size=100, most=10_000)
     floor = _window_round(window, 0, 1.0, full=True)
     _window_round(window, floor, 1.0 + 3 * ROUND_S, full=True)
@@ -126,11 +126,31 @@ def test_a_window_shrinks_no_more_than_a_round_allows_nor_below_the_least() -> N
 
 
 def test_a_long_round_trip_is_not_counted_as_the_link_carrying_less() -> None:
-    """On a 600 ms link, a window of 1,000 that took 2.6 s a round crossed in 2 s."""
+    """On a 600 ms link, a window of 1,000 that took 2.6 s a round crossed in 2 s; a request
+    may wait five round trips behind it there, 3 s: 1,500."""
     window = Window(size=1_000, most=10_000, rtt=0.6)
     floor = _window_round(window, 0, 1.0, full=True)
     _window_round(window, floor, 3.6, full=True)
-    assert window.size == 1_000
-    window.rtt = 0.0  # as if the round trip were the link's slowness
-    _window_round(window, floor + 1_000, 6.2, full=True)
+    assert window.size == 1_500
+    window = Window(size=1_000, most=10_000)  # as if the round trip were the link's slowness
+    floor = _window_round(window, 0, 1.0, full=True)
+    _window_round(window, floor, 3.6, full=True)
     assert window.size == int(1_000 / 2.6 * ROUND_S)
+
+
+def test_a_window_follows_what_a_request_waits_behind_it() -> None:
+    """Once a request sent as a round began has been timed, the window is sized by what it
+    waited: about `ROUND_S` is left alone, more shrinks it, little grows it to the most."""
+    window = Window(size=600, most=2_000, queued=2.4)
+    floor = _window_round(window, 0, 1.0, full=True)
+    floor = _window_round(window, floor, 4.0, full=True)
+    assert window.size == 600  # 500 wanted: within the margin
+    window.queued = 4.0
+    floor = _window_round(window, floor, 7.0, full=True)
+    assert window.size == 300
+    window.queued = 0.1  # the hub, not the link, holds the window back
+    sizes = []
+    for at in (8.0, 9.0, 10.0, 11.0, 12.0, 13.0):
+        floor = _window_round(window, floor, at, full=True)
+        sizes.append(window.size)
+    assert sizes == [300, 600, 600, 1_200, 1_200, 2_000]

@@ -14,8 +14,8 @@ window was not full but packs were cut to size (readings were left for the next 
 link could take more: packs double, up to `MAX_BYTES`. Packs start at `START_BYTES`.
 
 An unpacked stream's messages are as large as apps make them, so there the window itself is
-sized (`Window`): what the link carried per second while a full window crossed, times
-`ROUND_S`.
+sized (`Window`): as large as lets a request to the hub, sent as it goes, wait about
+`ROUND_S` behind it.
 """
 
 from __future__ import annotations
@@ -32,8 +32,13 @@ _STALL_S = 4 * ROUND_S  # a round longer than this was a link down, not a measur
 MIN_WINDOW = 50  # messages: below it, the link idles a round trip for too little
 # A window changes at most this much per round: a round timed between two polls may look
 # far shorter or longer than it was.
-_GROWTH = 4
+_GROWTH = 2
 _RESIZE = 0.2  # a window is set again only when the pace asks for this much more or less
+# On a long link a request's own round trip is much of its wait anyway, and a window of
+# `ROUND_S` idles the link for a round trip in every round (a 600 ms satellite link half the
+# time): there a window may make a request wait up to this many round trips, twice `ROUND_S`
+# at most.
+_WAIT_RTTS = 5
 
 
 @dataclass(slots=True)
@@ -78,37 +83,50 @@ class Pace:
 
 @dataclass(slots=True)
 class Window:
-    """The window (`max_ack_pending`) of an unpacked stream's hub consumer: what the link
-    carries in `ROUND_S`, from `MIN_WINDOW` to `most` messages.
+    """The window (`max_ack_pending`) of an unpacked stream's hub consumer, from `MIN_WINDOW`
+    to `most` messages: as large as lets a request to the hub wait at most `ROUND_S` behind it
+    (on a long link, `_WAIT_RTTS` of its round trips `rtt`).
 
-    A round is the window crossing, then the hub's reply coming back: the link carried the
-    window in the round less one round trip of the link (`rtt`, at its least lately). On a
-    600 ms satellite link, sizing the whole round to 2 s left the link idle half the time.
+    `queued` is what the last request sent as a round began (the window just sent) waited
+    more than the link's round trip. A window that made a request wait twice `ROUND_S` is
+    halved; one that made it wait half of it or less doubles. When the hub, not the
+    link, holds the window back (its fsyncs behind a compressed link), requests do not wait
+    behind it and it grows: on a 600 ms satellite link, sizing by the round alone halved the
+    drain. Until a request has been timed, the window is what the link carried per second
+    while it crossed (the round less the link's round trip, `rtt`), times `ROUND_S`.
     """
 
     size: int
     most: int
     rtt: float = 0.0
+    queued: float | None = None
     _floor: int = 0
     _since: float | None = None
     _full: bool = False
 
-    def observe(self, floor: int, in_flight: int, window: int, now: float) -> None:
+    def observe(self, floor: int, in_flight: int, window: int, now: float) -> bool:
         """As `Pace.observe`, counting messages: the hub acknowledged up to `floor`, with
-        `in_flight` delivered and not acknowledged, of `window` at most."""
+        `in_flight` delivered and not acknowledged, of `window` at most; whether a round
+        ended (a new window is on its way)."""
         if floor < self._floor:  # the stream was made again
             self._floor, self._since = floor, None
-        if floor > self._floor:
+        ended = floor > self._floor
+        if ended:
             since, self._since = self._since, now
             if self._full and since is not None and 0 < now - since <= _STALL_S:
-                crossing = max(now - since - self.rtt, (now - since) / _GROWTH)
-                self._resize((floor - self._floor) / crossing)
+                self._resize(floor - self._floor, now - since)
             self._floor, self._full = floor, False
         self._full = self._full or in_flight >= window
+        return ended
 
-    def _resize(self, rate: float) -> None:
-        wanted = min(max(rate * ROUND_S, self.size / _GROWTH), self.size * _GROWTH)
-        wanted = min(max(wanted, MIN_WINDOW), self.most)
+    def _resize(self, acked: int, took: float) -> None:
+        wait = min(max(ROUND_S, _WAIT_RTTS * self.rtt), 2 * ROUND_S)
+        if self.queued is None:
+            crossing = max(took - self.rtt, took / _GROWTH)
+            wanted = acked / crossing * wait
+        else:
+            wanted = self.size * wait / max(self.queued, wait / _GROWTH)
+        wanted = min(max(wanted, self.size / _GROWTH, MIN_WINDOW), self.size * _GROWTH, self.most)
         if abs(wanted - self.size) > _RESIZE * self.size:
             self.size = int(wanted)
             # The round under way started with the old window (a larger one is sent into it
