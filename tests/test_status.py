@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from edge_agent.island.streams import UNCOMPRESSED_START_WINDOW
 from hub_ingest.fleet.registry import Registry
 from hub_ingest.report.collect import collect_report
 from tests.support.cluster import Hub, run_cli, write_agent_config
@@ -95,6 +96,7 @@ async def test_status_and_report_show_the_backlog_waiting_for_the_link(
         await a.js.publish("tele.temp", f"cut-{i}".encode())
     waiting = await eventually(lambda: uplink(5), timeout=30, what="a backlog of 5")
     assert waiting["backlog_bytes"] > 0 and waiting["drain_eta_s"] is None
+    assert waiting["window"] == UNCOMPRESSED_START_WINDOW  # loopback: uncompressed, by_rtt
 
     a.proxy.restore()
     drained = await eventually(lambda: uplink(0), timeout=30, what="the backlog drained")

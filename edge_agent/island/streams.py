@@ -224,13 +224,16 @@ async def outbound_streams(js: JetStreamContext) -> dict[str, StreamInfo | None]
     return found
 
 
-def _incarnation(info: StreamInfo | None) -> str | None:
-    return None if info is None else (info.config.metadata or {}).get(INCARNATION)
+def _incarnations(infos: Mapping[str, StreamInfo | None]) -> dict[str, str | None]:
+    return {
+        name: None if info is None else (info.config.metadata or {}).get(INCARNATION)
+        for name, info in infos.items()
+    }
 
 
 async def incarnations(js: JetStreamContext) -> dict[str, str | None]:
     """The incarnation of each outbound stream on the island (None: no stream, or no id)."""
-    return {name: _incarnation(info) for name, info in (await outbound_streams(js)).items()}
+    return _incarnations(await outbound_streams(js))
 
 
 CONSUMER_NOT_FOUND = 10014  # JetStream's err_code
@@ -264,7 +267,7 @@ async def reconcile(js: JetStreamContext, config: Config) -> list[Reconciled]:
     fresh = new_incarnation()
     try:
         infos = await outbound_streams(js)
-        found = {name: _incarnation(info) for name, info in infos.items()}
+        found = _incarnations(infos)
         packed = packs_telemetry(infos[TELEMETRY], config)
         chosen = {name: found[name] or fresh for name in OUTBOUND}
         if new := [name for name in OUTBOUND if found[name] is None]:

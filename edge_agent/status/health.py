@@ -49,6 +49,7 @@ class Uplink:
     last_crossed: str | None  # when the hub last confirmed a message (None: never)
     backlog_messages: int
     backlog_bytes: int  # estimated from the stream's mean message size
+    window: int  # messages the hub's mirror may have in flight (`edge_agent.island.windows`)
     drain_rate: float | None = None  # messages/s confirmed since the previous sample
     drain_eta_s: float | None = None  # backlog at that rate; 0 with no backlog
 
@@ -135,6 +136,7 @@ def _uplink(detail: dict[str, Any], incarnation: str | None) -> Uplink | None:
         last_crossed=str(last) if confirmed and last else None,
         backlog_messages=backlog,
         backlog_bytes=backlog * size // messages if messages else 0,
+        window=int((consumer.get("config") or {}).get("max_ack_pending", 0)),
         drain_eta_s=0.0 if backlog == 0 else None,
     )
 
@@ -321,7 +323,7 @@ def render_status(status: Status) -> str:
             eta = f", drains in {up.drain_eta_s:.0f}s" if up.drain_eta_s else ""
             lines.append(
                 f"uplink      {s.name}: {up.backlog_messages} waiting ({_size(up.backlog_bytes)})"
-                f"{eta}, last crossed {up.last_crossed or 'never'}"
+                f"{eta}, window {up.window}, last crossed {up.last_crossed or 'never'}"
             )
     if status.mirror is not None:
         contact = (

@@ -91,6 +91,7 @@ def _streams(registry: CollectorRegistry, status: Status) -> None:
         "edge_agent_stream_max_bytes": "the stream's byte budget",
         "edge_agent_stream_dropped": "messages the budget or max_age forced out, ever",
         "edge_agent_uplink_backlog_messages": "messages the hub has not confirmed yet",
+        "edge_agent_uplink_window": "messages the hub's mirror may have in flight",
     }
     gauges = {n: _gauge(registry, n, doc, "device", "stream") for n, doc in figures.items()}
     for name, stream in sorted(status.streams.items()):
@@ -102,6 +103,7 @@ def _streams(registry: CollectorRegistry, status: Status) -> None:
         }
         if stream.uplink is not None:
             values["edge_agent_uplink_backlog_messages"] = stream.uplink.backlog_messages
+            values["edge_agent_uplink_window"] = stream.uplink.window
         for metric, value in values.items():
             gauges[metric].labels(device, name).set(value)
 
