@@ -29,8 +29,8 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, StreamInfo
 from nats.js.errors import APIError, NotFoundError
 
 from edge_agent.island.pace import Pace
-from edge_agent.island.streams import last_packed
-from edge_agent.protocol.names import INCARNATION, TELEMETRY, hub_consumer
+from edge_agent.island.streams import incarnation_of, last_packed
+from edge_agent.protocol.names import TELEMETRY, hub_consumer
 from edge_agent.protocol.pack import (
     PACK_SUBJECT,
     READINGS,
@@ -80,7 +80,7 @@ class Packer:
     async def _pack(self) -> None:
         """Pack from the cursor on, until the island fails."""
         info = await self.js.stream_info(TELEMETRY)
-        consumer = hub_consumer((info.config.metadata or {}).get(INCARNATION, ""))
+        consumer = hub_consumer(incarnation_of(info) or "")
         last, cursor = info.state.last_seq, await self._cursor(info)
         sub = await self.js.pull_subscribe(
             "",

@@ -224,11 +224,13 @@ async def outbound_streams(js: JetStreamContext) -> dict[str, StreamInfo | None]
     return found
 
 
+def incarnation_of(info: StreamInfo | None) -> str | None:
+    """An outbound stream's incarnation (None: no stream, or no id)."""
+    return None if info is None else (info.config.metadata or {}).get(INCARNATION)
+
+
 def _incarnations(infos: Mapping[str, StreamInfo | None]) -> dict[str, str | None]:
-    return {
-        name: None if info is None else (info.config.metadata or {}).get(INCARNATION)
-        for name, info in infos.items()
-    }
+    return {name: incarnation_of(info) for name, info in infos.items()}
 
 
 async def incarnations(js: JetStreamContext) -> dict[str, str | None]:

@@ -28,10 +28,10 @@ from nats.js.errors import APIError, NotFoundError
 
 from edge_agent.core.config import Config
 from edge_agent.island.pace import Window
-from edge_agent.island.streams import hub_consumer_config
+from edge_agent.island.streams import hub_consumer_config, incarnation_of
 from edge_agent.protocol.errors import MonitorUnavailable
 from edge_agent.protocol.monitor import Monitor
-from edge_agent.protocol.names import INCARNATION, command_stream, hub_consumer
+from edge_agent.protocol.names import command_stream, hub_consumer
 from edge_agent.protocol.reconcile import MIRROR_WINDOW
 
 log = structlog.get_logger(__name__)
@@ -49,7 +49,7 @@ _PROBE_TIMEOUT_S = 30.0  # a probe still unanswered counts as waiting as long as
 @dataclass(slots=True)
 class _Paced:
     incarnation: str
-    window: int  # as last read or set: another value means someone else set it
+    # Its size is the window last set: a consumer with another was set by someone else.
     pace: Window
 
 
@@ -97,22 +97,21 @@ class Windows:
         """Observe `stream`'s hub consumer, and set its window if the pace says so; whether
         anything was in flight or waiting."""
         if stream not in self._paced:
-            meta = (await self.js.stream_info(stream)).config.metadata or {}
-            self._paced[stream] = _Paced(meta.get(INCARNATION, ""), 0, Window(0, MIRROR_WINDOW))
+            incarnation = incarnation_of(await self.js.stream_info(stream)) or ""
+            self._paced[stream] = _Paced(incarnation, Window(0, MIRROR_WINDOW))
         paced = self._paced[stream]
         info = await self.js.consumer_info(stream, hub_consumer(paced.incarnation))
         window = info.config.max_ack_pending or 1
-        if window != paced.window:  # first read, or a reconcile started it again
-            paced.window, paced.pace = window, Window(window, MIRROR_WINDOW)
+        if window != paced.pace.size:  # first read, or a reconcile started it again
+            paced.pace = Window(window, MIRROR_WINDOW)
         floor, in_flight = info.ack_floor.stream_seq, info.num_ack_pending
         paced.pace.rtt, paced.pace.queued = self._rtt, self._waited()
         ended = paced.pace.observe(floor, in_flight, window, time.monotonic())
         if paced.pace.size != window:
-            paced.window = paced.pace.size
             config = hub_consumer_config(self.config, stream, paced.incarnation)
-            config.max_ack_pending = paced.window
+            config.max_ack_pending = paced.pace.size
             await self.js.add_consumer(stream, config)
-            log.info("uplink_window_set", stream=stream, window=paced.window, was=window)
+            log.info("uplink_window_set", stream=stream, window=paced.pace.size, was=window)
         if ended and in_flight >= window:  # a whole window was just sent: time what waits
             self._send_probe()
         return bool(in_flight or info.num_pending)
