@@ -13,12 +13,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from nats.js.api import KeyValueConfig
 
 from hub_ingest.core import failpoints
+from hub_ingest.core.connect import hub_connection
 from hub_ingest.core.errors import EnrolmentError
 from hub_ingest.fleet.auth import new_seed, public_key
 from hub_ingest.fleet.enrol import Enrolment, parse_line, read_enrolments, valid_public_key
-from hub_ingest.fleet.registry import Device, Incarnation, Registry
+from hub_ingest.fleet.registry import BUCKET, Device, Incarnation, Registry
 from hub_ingest.fleet.streams import stream_names
 from hub_ingest.local.fleet import write_hub_toml
 from tests.support.cluster import Hub
@@ -211,7 +213,7 @@ def test_enrolment_lines_ids_keys_comments_and_header() -> None:
 
 async def test_the_registry_lists_each_device_once_as_it_is_now(hub: Hub) -> None:
     """The last value of each device, none that was removed, for many more devices than
-    are read at once."""
+    are read at once; then after another process's writes, which a listing reads alone."""
     registry = await Registry.open(hub.js)
     key = public_key(new_seed())
     for i in range(300):
@@ -223,3 +225,30 @@ async def test_the_registry_lists_each_device_once_as_it_is_now(hub: Hub) -> Non
     ids = [d.device_id for d in listed]
     assert len(ids) == 299 and "r0003" not in ids and ids == sorted(set(ids))
     assert next(d for d in listed if d.device_id == "r0007").incarnations == (seen,)
+
+    # Another process writes; this one's next listing reads only those writes, and matches
+    # what a process listing afresh reads.
+    async with hub_connection(hub.config, "other") as nc:
+        other = await Registry.open(nc.jetstream(domain=hub.config.nats.domain))
+        assert other is not registry
+        await other.create(Device("r9999", "edge-r9999", 1, "2026-11-26T00:00:00Z", key))
+        await other.remove("r0010")
+        later = Incarnation("EVENTS", "def", "2026-11-26T01:00:00Z", 4)
+        for device_id in ("r0007", "r0011"):
+            await other.add_incarnation(device_id, later)
+        await other.remove("r0011")
+        await other.create(Device("r0011", "edge-r0011", 2, "2026-11-26T02:00:00Z", key))
+        caught_up = await registry.list()
+        assert caught_up == await other.list()
+    by_id = {d.device_id: d for d in caught_up}
+    assert len(by_id) == 299 and "r0010" not in by_id and "r9999" in by_id
+    assert by_id["r0007"].incarnations == (seen, later)
+    assert by_id["r0011"].shard == 2 and by_id["r0011"].incarnations == ()
+
+    # A bucket made again is read afresh, not caught up from where the old one stood.
+    await hub.js.delete_key_value(BUCKET)
+    remade = await Registry.open(hub.js)
+    assert remade is registry
+    await hub.js.create_key_value(KeyValueConfig(bucket=BUCKET, history=5))
+    await registry.create(Device("fresh", "edge-fresh", 0, "2026-11-26T03:00:00Z", key))
+    assert [d.device_id for d in await registry.list()] == ["fresh"]

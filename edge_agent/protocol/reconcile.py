@@ -26,6 +26,13 @@ Change = Literal["created", "updated", "recreated", "unchanged"]
 MIRROR_WINDOW = 10_000
 
 
+class Unread:
+    """A stream config not read yet (`reconcile_stream` reads it)."""
+
+
+UNREAD = Unread()
+
+
 @dataclass(frozen=True, slots=True)
 class Reconciled:
     name: str
@@ -81,11 +88,14 @@ def _differs(want: StreamConfig, have: StreamConfig) -> list[str]:
     return changed
 
 
-async def reconcile_stream(js: JetStreamContext, want: StreamConfig) -> Reconciled:
-    """Create `want`, or bring the existing stream of that name in line with it."""
+async def reconcile_stream(
+    js: JetStreamContext, want: StreamConfig, have: StreamConfig | Unread | None = UNREAD
+) -> Reconciled:
+    """Create `want`, or bring the existing stream of that name in line with it; `have` is
+    its config as the caller just read it (None: there is none), to spare a request."""
     assert want.name is not None
     try:
-        return await _reconcile(js, want, want.name)
+        return await _reconcile(js, want, want.name, have)
     except APIError as exc:
         raise StreamError(f"stream {want.name}: {exc.description} (code {exc.err_code})") from exc
 
@@ -99,10 +109,15 @@ async def reconcile_stream(js: JetStreamContext, want: StreamConfig) -> Reconcil
     wait=wait_exponential_jitter(multiplier=0.5, jitter=0.5, max=4.0),
     reraise=True,
 )
-async def _reconcile(js: JetStreamContext, want: StreamConfig, name: str) -> Reconciled:
-    try:
-        have = (await js.stream_info(name)).config
-    except NotFoundError:
+async def _reconcile(
+    js: JetStreamContext, want: StreamConfig, name: str, have: StreamConfig | Unread | None
+) -> Reconciled:
+    if isinstance(have, Unread):
+        try:
+            have = (await js.stream_info(name)).config
+        except NotFoundError:
+            have = None
+    if have is None:
         await js.add_stream(want)
         return Reconciled(name, "created")
     changed = _differs(want, have)

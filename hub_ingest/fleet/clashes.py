@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from nats.js import JetStreamContext
-from nats.js.api import StreamInfo
+from nats.js.api import StreamConfig, StreamInfo
 from nats.js.errors import NotFoundError
 
 from edge_agent.protocol.names import HUB_COMMANDS
@@ -69,9 +69,13 @@ def _clash(config: dict[str, Any], adopt: bool) -> str | None:
     return None
 
 
-async def check_names(js: JetStreamContext, names: Iterable[str], *, adopt: bool) -> None:
+async def check_names(
+    js: JetStreamContext, names: Iterable[str], *, adopt: bool
+) -> dict[str, StreamConfig | None]:
     """`check_foreign_streams` at a cost that does not grow with the fleet: the streams on
-    the fleet's subjects (asked of the server by subject) and those under `names`."""
+    the fleet's subjects (asked of the server by subject) and those under `names`. The
+    configs of those under `names` as read (None: no such stream), for `reconcile_stream`."""
+    names = list(names)
     on_subjects = await gather_bounded(
         (_streams_on(js, s) for s in FLEET_SUBJECTS), REQUESTS_AT_ONCE
     )
@@ -80,6 +84,7 @@ async def check_names(js: JetStreamContext, names: Iterable[str], *, adopt: bool
     for info in [*found, *(i for i in named if i is not None)]:
         if problem := _clash(info.config.as_dict(), adopt):
             raise ProvisionError(problem)
+    return {name: info.config if info else None for name, info in zip(names, named, strict=True)}
 
 
 async def _stream_info(js: JetStreamContext, name: str) -> StreamInfo | None:
