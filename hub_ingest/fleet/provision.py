@@ -57,7 +57,7 @@ from hub_ingest.core.config import HubConfig
 from hub_ingest.core.errors import ProvisionError
 from hub_ingest.core.gather import REQUESTS_AT_ONCE, gather_bounded
 from hub_ingest.fleet.clashes import check_foreign_streams, check_names
-from hub_ingest.fleet.gaps import Target, refill_source, refill_stream
+from hub_ingest.fleet.gaps import REFILL_STREAM, Target, refill_source, refill_stream
 from hub_ingest.fleet.registry import BUCKET, Device, Incarnation, Registry
 from hub_ingest.fleet.streams import (
     AGGREGATES,
@@ -264,17 +264,25 @@ _RELEASE_STREAMS = (bucket_stream(ROLLOUT_BUCKET), f"OBJ_{RELEASES_BUCKET}")
 
 
 async def _bucket_replicas(
-    js: JetStreamContext, stream: str, replicas: int, *, missing_ok: bool = False
+    js: JetStreamContext,
+    stream: str,
+    replicas: int,
+    read: Mapping[str, StreamConfig | None],
+    *,
+    missing_ok: bool = False,
 ) -> Reconciled | None:
     """A key-value bucket's stream (the registry's, made by `Registry.open` with the
     server's default of one replica; the command index's) kept as many times as the hub's
-    streams; None for a stream not made yet, if `missing_ok`."""
-    try:
-        have = (await js.stream_info(stream)).config
-    except NotFoundError:
-        if missing_ok:
-            return None
-        raise
+    streams; None for a stream not made yet, if `missing_ok`. Its config is read unless
+    `read` has it (a bucket `read` has not seen may have been made since)."""
+    have = read.get(stream)
+    if have is None:
+        try:
+            have = (await js.stream_info(stream)).config
+        except NotFoundError:
+            if missing_ok:
+                return None
+            raise
     if have.num_replicas == replicas:
         return Reconciled(stream, "unchanged")
     await js.update_stream(dataclasses.replace(have, num_replicas=replicas))
@@ -335,7 +343,10 @@ async def _provision_once(
     read: Mapping[str, StreamConfig | None] = _NONE_READ
     try:
         if only is not None:
-            names = [command_stream(d.device_id) for d in touched]
+            # One round reads every config this pass compares against: adding a device
+            # costs that round and the writes, not a round trip per step.
+            names = [*_BUCKET_STREAMS, *_RELEASE_STREAMS, HUB_COMMANDS, REFILL_STREAM]
+            names += [command_stream(d.device_id) for d in touched]
             names += [s.name or "" for s in (*mirrors, *aggregates)]
             read = await check_names(js, names, adopt=adopt)
         # In rounds, each round's requests at once: what a stream sources exists before it
@@ -346,21 +357,22 @@ async def _provision_once(
         # without a leader when another node goes (seen on a 3-node hub).
         await gather_bounded(
             [
-                open_bucket(js, COMMAND_INDEX, replicas=config.replicas, direct=True),
-                open_bucket(js, GAPS, replicas=config.replicas),
+                open_bucket(js, bucket, replicas=config.replicas, direct=direct)
+                for bucket, direct in ((COMMAND_INDEX, True), (GAPS, False))
+                if read.get(bucket_stream(bucket)) is None
             ],
             REQUESTS_AT_ONCE,
         )
         fleet_wide = await gather_bounded(
             [
-                *(_bucket_replicas(js, s, config.replicas) for s in _BUCKET_STREAMS),
+                *(_bucket_replicas(js, s, config.replicas, read) for s in _BUCKET_STREAMS),
                 # Made by the first `release publish`, if there was one.
                 *(
-                    _bucket_replicas(js, s, config.replicas, missing_ok=True)
+                    _bucket_replicas(js, s, config.replicas, read, missing_ok=True)
                     for s in _RELEASE_STREAMS
                 ),
-                reconcile_stream(js, commands_stream(config)),
-                reconcile_stream(js, refill_stream(config)),
+                _reconcile_read(js, commands_stream(config), read),
+                _reconcile_read(js, refill_stream(config), read),
             ],
             REQUESTS_AT_ONCE,
         )
