@@ -230,7 +230,6 @@ async def test_the_registry_lists_each_device_once_as_it_is_now(hub: Hub) -> Non
     # what a process listing afresh reads.
     async with hub_connection(hub.config, "other") as nc:
         other = await Registry.open(nc.jetstream(domain=hub.config.nats.domain))
-        assert other is not registry
         await other.create(Device("r9999", "edge-r9999", 1, "2026-11-26T00:00:00Z", key))
         await other.remove("r0010")
         later = Incarnation("EVENTS", "def", "2026-11-26T01:00:00Z", 4)
@@ -247,8 +246,6 @@ async def test_the_registry_lists_each_device_once_as_it_is_now(hub: Hub) -> Non
 
     # A bucket made again is read afresh, not caught up from where the old one stood.
     await hub.js.delete_key_value(BUCKET)
-    remade = await Registry.open(hub.js)
-    assert remade is registry
     await hub.js.create_key_value(KeyValueConfig(bucket=BUCKET, history=5))
     await registry.create(Device("fresh", "edge-fresh", 0, "2026-11-26T03:00:00Z", key))
     assert [d.device_id for d in await registry.list()] == ["fresh"]

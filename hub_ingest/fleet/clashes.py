@@ -99,12 +99,16 @@ async def _streams_on(js: JetStreamContext, subject: str) -> list[StreamInfo]:
     return [StreamInfo.from_response(info) for info in await stream_list(js, subject)]
 
 
-async def check_foreign_streams(js: JetStreamContext, *, adopt: bool = False) -> None:
-    """Refuse (`ProvisionError`) before anything changes if another stream is in the way."""
-    offset = 0
-    while page := await js.streams_info(offset=offset):
-        offset += len(page)
+async def check_foreign_streams(
+    js: JetStreamContext, *, adopt: bool = False
+) -> dict[str, StreamConfig | None]:
+    """Refuse (`ProvisionError`) before anything changes if another stream is in the way;
+    every stream's config as read, by name."""
+    read: dict[str, StreamConfig | None] = {}
+    while page := await js.streams_info(offset=len(read)):
         for info in page:
             problem = _clash(info.config.as_dict(), adopt)
             if problem:
                 raise ProvisionError(problem)
+            read[info.config.name or ""] = info.config
+    return read

@@ -65,7 +65,6 @@ from hub_ingest.fleet.streams import (
     Aggregate,
     mirror_name,
     shard_of,
-    stream_names,
 )
 
 log = structlog.get_logger(__name__)
@@ -305,8 +304,6 @@ async def provision(
     fleet-wide streams: adding a device to a large fleet costs what that device needs, and
     other owners' streams are checked by the next full pass (``hub-ingest provision``).
     """
-    if only is None:
-        await check_foreign_streams(js, adopt=adopt)
     registry = await Registry.open(js)
     devices = list(devices)
     for _ in range(_ROUNDS):
@@ -329,9 +326,12 @@ async def _provision_once(
     adopt: bool,
 ) -> list[Reconciled]:
     touched = devices if only is None else [d for d in devices if d.device_id in only]
+    read: Mapping[str, StreamConfig | None] = _NONE_READ
     if only is None:
+        # Every stream's config, read once: the pass compares against these.
+        read = await check_foreign_streams(js, adopt=adopt)
         # Shards whose last device was removed still exist and must stop sourcing it.
-        shards = {shard for name in await stream_names(js) for shard in shard_of(name)}
+        shards = {shard for name in read for shard in shard_of(name)}
         aggregates = aggregate_streams(config, devices, shards)
     else:
         wanted = {d.shard for d in touched} | {0}
@@ -340,7 +340,6 @@ async def _provision_once(
             a for a in aggregate_streams(config, in_shards) if shard_of(a.name or "")[0] in wanted
         ]
     mirrors = [m for d in touched for m in device_mirrors(config, d)]
-    read: Mapping[str, StreamConfig | None] = _NONE_READ
     try:
         if only is not None:
             # One round reads every config this pass compares against: adding a device

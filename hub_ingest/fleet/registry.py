@@ -18,7 +18,7 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime
-from typing import Any, ClassVar
+from typing import Any
 
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, StorageType
@@ -111,40 +111,35 @@ class _View:
     created: datetime | None = None  # the stream's: a bucket made again is read afresh
     seq: int = 0
     devices: dict[str, Device] = field(default_factory=dict)
+    reading: asyncio.Lock = field(default_factory=asyncio.Lock)  # one listing at a time
+
+
+# One view per hub connection's JetStream context, shared by every `Registry` opened on it.
+# Held weakly by the context: a view holds nothing that keeps the context alive.
+_VIEWS: weakref.WeakKeyDictionary[JetStreamContext, _View] = weakref.WeakKeyDictionary()
 
 
 class Registry:
-    """The registry on one hub connection (`open` gives one per JetStream context, so that
-    its listings share one view)."""
-
-    _opened: ClassVar[weakref.WeakKeyDictionary[JetStreamContext, Registry]] = (
-        weakref.WeakKeyDictionary()
-    )
-
     def __init__(self, js: JetStreamContext, kv: KeyValue) -> None:
         self._js = js
         self._kv = kv
-        self._view = _View()
-        self._reading = asyncio.Lock()
+        self._view = _VIEWS.setdefault(js, _View())
 
     @classmethod
     async def open(cls, js: JetStreamContext) -> Registry:
-        registry = cls._opened.get(js)
-        if registry is not None:
-            return registry
         try:
             kv = await js.key_value(BUCKET)
         except BucketNotFoundError:
             kv = await js.create_key_value(
                 KeyValueConfig(bucket=BUCKET, history=5, storage=StorageType.FILE)
             )
-        return cls._opened.setdefault(js, cls(js, kv))
+        return cls(js, kv)
 
     async def list(self) -> list[Device]:
         """Every registered device, by id. Reads what was written since the last listing (a
         fleet of 500 took 0.15 s a listing read afresh, and adding a device lists it several
         times), from the stream's leader, as a get does."""
-        async with self._reading:
+        async with self._view.reading:
             info = await self._js.stream_info(bucket_stream(BUCKET))
             view, last = self._view, info.state.last_seq
             behind = last - view.seq
@@ -171,8 +166,9 @@ class Registry:
         found = await gather_bounded(map(read, keys), _READ_AT_ONCE)
         # The stream's last sequence before the gets: a value they read that is newer is
         # read again by the next listing, which changes nothing.
-        devices = {d.device_id: d for d in found if d is not None}
-        self._view = _View(info.created, info.state.last_seq, devices)
+        view = self._view
+        view.created, view.seq = info.created, info.state.last_seq
+        view.devices = {d.device_id: d for d in found if d is not None}
 
     async def _catch_up(self, last: int) -> None:
         """Apply the writes after the view's sequence up to `last`, oldest first."""
