@@ -17,6 +17,8 @@ in this process). A simulated device is a bare leaf island: a nats-server with t
   window of `--idle` seconds as percent of one core (utime + stime from /proc/<pid>/stat);
 - ``report``, ``status``: ``report --json`` (`collect_report`) and ``command status`` of the
   broadcast (`command_status`), the median of `REPEATS` calls after a first one;
+- ``add``: one device enrolled and attached into the fleet as it is (its island started and
+  linked in between, not timed), the median of `ADDS` such devices one after the other;
 - ``restart``: the hub SIGKILLed and started again (``cluster``: all three nodes killed, then
   all started, as after a power cut of the hub's rack), then a fresh message on every island
   and a broadcast command: ``up`` is until the hub's servers answer healthy, ``resume`` until
