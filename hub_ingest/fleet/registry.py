@@ -114,8 +114,8 @@ class _View:
     reading: asyncio.Lock = field(default_factory=asyncio.Lock)  # one listing at a time
 
 
-# One view per hub connection's JetStream context, shared by every `Registry` opened on it.
-# Held weakly by the context: a view holds nothing that keeps the context alive.
+# One view per hub connection's JetStream context, shared by every `Registry` opened on it;
+# keyed weakly, and a view refers to nothing that would keep its context alive.
 _VIEWS: weakref.WeakKeyDictionary[JetStreamContext, _View] = weakref.WeakKeyDictionary()
 
 
