@@ -21,7 +21,7 @@ from datetime import datetime
 from typing import Any
 
 from nats.js import JetStreamContext
-from nats.js.api import KeyValueConfig, StorageType
+from nats.js.api import KeyValueConfig, StorageType, StreamInfo
 from nats.js.errors import (
     BucketNotFoundError,
     KeyNotFoundError,
@@ -29,12 +29,12 @@ from nats.js.errors import (
     NoStreamResponseError,
     NotFoundError,
 )
-from nats.js.kv import KeyValue
+from nats.js.kv import KV_DEL, KV_OP, KV_PURGE, KeyValue
 from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_exponential_jitter
 
 from edge_agent.protocol.names import js_api
 from edge_agent.protocol.units import utc_now_iso
-from hub_ingest.core.buckets import bucket_stream
+from hub_ingest.core.buckets import bucket_keys, bucket_stream
 from hub_ingest.core.errors import RegistryError
 from hub_ingest.core.gather import gather_bounded
 
@@ -99,8 +99,8 @@ _READ_AT_ONCE = 64
 # A listing reads what was written since the last one, message by message, unless more was
 # written than this (or than there are devices): then it reads every device again.
 _CATCH_UP_AT_MOST = 256
+_STREAM = bucket_stream(BUCKET)
 _SUBJECTS = f"$KV.{BUCKET}."
-_DELETED = ("DEL", "PURGE")  # the KV-Operation header of a key's delete or purge marker
 
 
 @dataclass(slots=True)
@@ -140,22 +140,22 @@ class Registry:
         fleet of 500 took 0.15 s a listing read afresh, and adding a device lists it several
         times), from the stream's leader, as a get does."""
         async with self._view.reading:
-            info = await self._js.stream_info(bucket_stream(BUCKET))
+            info = await self._js.stream_info(_STREAM)
             view, last = self._view, info.state.last_seq
             behind = last - view.seq
             remade = info.created != view.created or behind < 0
             if remade or behind > min(_CATCH_UP_AT_MOST, len(view.devices)):
-                await self._read_all()
+                await self._read_all(info)
             elif behind:
                 await self._catch_up(last)
             return [self._view.devices[k] for k in sorted(self._view.devices)]
 
-    async def _read_all(self) -> None:
+    async def _read_all(self, info: StreamInfo) -> None:
+        """Read every device; `info` is the bucket's stream as it stood before."""
         # Not one consumer over the bucket (tried: one request instead of a get per device):
         # making a consumer asks a cluster's meta leader, which is away for seconds when a
         # node dies, while a get needs only the bucket's own replicas.
-        info = await self._js.stream_info(bucket_stream(BUCKET), subjects_filter=f"{_SUBJECTS}>")
-        keys = [s.removeprefix(_SUBJECTS) for s in info.state.subjects or {}]
+        keys = await bucket_keys(self._js, BUCKET)
 
         async def read(device_id: str) -> Device | None:
             try:
@@ -164,8 +164,8 @@ class Registry:
                 return None
 
         found = await gather_bounded(map(read, keys), _READ_AT_ONCE)
-        # The stream's last sequence before the gets: a value they read that is newer is
-        # read again by the next listing, which changes nothing.
+        # The stream's last sequence before the keys and gets: a value they read that is newer
+        # is read again by the next listing, which changes nothing.
         view = self._view
         view.created, view.seq = info.created, info.state.last_seq
         view.devices = {d.device_id: d for d in found if d is not None}
@@ -175,14 +175,12 @@ class Registry:
         seq = self._view.seq + 1
         while seq <= last:
             try:
-                msg = await self._js.get_msg(
-                    bucket_stream(BUCKET), seq, subject=f"{_SUBJECTS}>", next=True
-                )
+                msg = await self._js.get_msg(_STREAM, seq, subject=f"{_SUBJECTS}>", next=True)
             except NotFoundError:
                 break  # the rest were overwritten (the bucket keeps a few values per key)
             assert msg.seq is not None and msg.subject is not None
             device_id = msg.subject.removeprefix(_SUBJECTS)
-            if (msg.headers or {}).get("KV-Operation") in _DELETED:
+            if (msg.headers or {}).get(KV_OP) in (KV_DEL, KV_PURGE):  # a delete marker
                 self._view.devices.pop(device_id, None)
             elif msg.data:
                 self._view.devices[device_id] = Device.from_json(msg.data)
