@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -53,3 +54,22 @@ async def hub_connection(config: HubConfig, name: str = "hub-ingest") -> AsyncIt
         yield nc
     finally:
         await nc.drain()
+
+
+async def close_quietly(nc: Client) -> None:
+    """Close `nc` whatever state its link is in, for a caller that is stopping anyway.
+
+    nats-py's close can fail on a link that is already going (a server restarting, a reconnect
+    under way), and can even raise a `CancelledError` of its own making: it waits on futures
+    of its socket and its reconnect task that it cancels itself. The client is closed either
+    way. A cancellation aimed at the caller's task still propagates.
+    """
+    try:
+        await nc.close()
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise
+        log.warning("nats_client_close_cancelled_inside_nats_py")
+    except Exception as exc:  # closing what may already be broken
+        log.warning("nats_client_close_failed", error=str(exc) or type(exc).__name__)

@@ -37,6 +37,7 @@ from edge_agent.protocol.names import COMMAND_MIRROR, TELEMETRY
 from edge_agent.protocol.natsserver import ServerProcess, resolve_nats_server
 from edge_agent.protocol.tomlconf import format_sync
 from hub_ingest.core.config import HubConfig, parse_hub_config
+from hub_ingest.core.connect import close_quietly
 from hub_ingest.core.errors import LocalFleetError
 from hub_ingest.fleet.auth import write_auth
 from hub_ingest.fleet.enrol import enrol
@@ -167,8 +168,7 @@ class LocalHub:
         return int(self.config.server.leaf_listen.rsplit(":", 1)[1])
 
     async def close(self) -> None:
-        with contextlib.suppress(Exception):
-            await self.nc.close()
+        await close_quietly(self.nc)
         await self.server.stop()
 
 
@@ -344,8 +344,7 @@ class LocalFleet:
         (self.root / FLEET_FILE).write_text(json.dumps({"pids": pids}))
 
     async def stop(self) -> None:
-        with contextlib.suppress(Exception):
-            await self.hub.nc.close()
+        await close_quietly(self.hub.nc)
         await asyncio.to_thread(stop_fleet, self.root)
 
 

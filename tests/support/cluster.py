@@ -27,6 +27,7 @@ from edge_agent.core.config import Config, parse_config
 from edge_agent.protocol.monitor import Monitor
 from edge_agent.protocol.natsserver import resolve_nats_server
 from edge_agent.protocol.tomlconf import format_sync
+from hub_ingest.core.connect import close_quietly
 from hub_ingest.fleet.enrol import enrol
 from hub_ingest.fleet.provision import provision, provision_commands
 from hub_ingest.fleet.registry import Registry
@@ -231,8 +232,7 @@ class Device:
             await asyncio.wait_for(self.task, 60)
         self.agent = self.task = None
         if self.nc is not None:
-            with contextlib.suppress(Exception):
-                await self.nc.close()
+            await close_quietly(self.nc)
             self.nc = None
 
     async def reimage(self) -> None:
