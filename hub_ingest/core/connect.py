@@ -70,6 +70,6 @@ async def close_quietly(nc: Client) -> None:
         task = asyncio.current_task()
         if task is not None and task.cancelling():
             raise
-        log.warning("nats_client_close_cancelled_inside_nats_py")
+        log.info("nats_client_close_cancelled_inside_nats_py")
     except Exception as exc:  # closing what may already be broken
-        log.warning("nats_client_close_failed", error=str(exc) or type(exc).__name__)
+        log.info("nats_client_close_failed", error=str(exc) or type(exc).__name__)
