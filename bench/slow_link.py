@@ -10,7 +10,9 @@ bulk TCP transfer of the same reading bytes, raw and snappy-compressed (s2's bas
 the `cramjam` package). Two commands must start (their results in the island's ``EVENTS``)
 within seconds, not after the backlog: one sent while the link is cut (timed from the
 link's return: the agent reads it up the link the backlog fills, or its mirror brings it),
-one sent midway through the drain.
+one sent midway through the drain. For context it first measures how many unpacked readings a
+second the hub's store takes on this disk (`bench/hub_store.py`: each stored and fsynced in
+the mirror and in the aggregate), which can bound a compressed drain before the link does.
 
     .venv/bin/python bench/slow_link.py [--shape lte|rural|geo|all] [--readings N]
     .venv/bin/python bench/slow_link.py --day     # 86,400 readings, LTE, to the archive too
@@ -45,6 +47,7 @@ from pyspark.sql import SparkSession
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
 
+from bench.hub_store import measure as store_rate
 from edge_agent.protocol.envelope import new_envelope
 from edge_agent.protocol.logs import configure_logging
 from edge_agent.protocol.pack import PACK_HEADER, PACK_SUBJECT, decode, pack_range
@@ -319,7 +322,8 @@ class ShapeRun:
             f"{self.tcp_compressed_s:.1f}s snappy | off {off.elapsed_s:.1f}s, utilization "
             f"{off.utilization(self.shape):.2f}, tcp_ratio {self.tcp_raw_s / off.elapsed_s:.2f} "
             f"| s2_auto {on.elapsed_s:.1f}s, utilization {on.utilization(self.shape):.2f}, "
-            f"goodput {on.goodput_ratio(self.shape):.2f}x, tcp_ratio "
+            f"goodput {on.goodput_ratio(self.shape):.2f}x, "
+            f"{on.readings / on.elapsed_s:.0f} readings/s, tcp_ratio "
             f"{self.tcp_ratio:.2f} | command started in {off.command_start_s:.2f}s and "
             f"{on.command_start_s:.2f}s, one sent while cut {off.offline_command_s:.2f}s and "
             f"{on.offline_command_s:.2f}s after the link returned, lost {off.lost + on.lost}, "
@@ -368,6 +372,11 @@ async def main(
     shapes: list[str], readings: int | None, seconds: float, with_day: bool, packed: bool
 ) -> None:
     configure_logging("warning")
+    with tempfile.TemporaryDirectory(prefix="slow-link-store-", dir="/var/tmp") as tmp:
+        ceiling = await store_rate("always", Path(tmp), 1, 10_000, 1)
+    # Unpacked, the hub stores and fsyncs each reading twice (mirror, aggregate): a drain
+    # faster than the link can still be held to this by the hub's disk.
+    print(f"the hub's store here takes {ceiling:.0f} unpacked readings/s", flush=True)
     whole_day = await day(packed) if with_day else None
     runs = []
     for name in shapes:
