@@ -11,7 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from nats.js.api import StreamConfig
+from nats.js.api import StreamConfig, StreamInfo
 
 from edge_agent.protocol.reconcile import reconcile_stream
 from hub_ingest.commands.send import new_envelope, send
@@ -256,6 +256,31 @@ async def test_provision_of_an_empty_fleet_changes_nothing_the_second_time(
     second = await asyncio.to_thread(run_cli, "hub_ingest", "-c", str(config), "provision")
     assert first.returncode == second.returncode == 0
     assert second.stdout.split()[1::2] == ["unchanged"] * 7, second.stdout
+
+
+async def test_a_stream_made_while_provision_lists_the_streams_does_not_stall_it(
+    hub: Hub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stream made between two pages of the server's stream listing (another provisioner,
+    a device's first contact) shifts the next page back by one: a name comes twice. A full
+    pass must still finish (it once asked for the same page for as long as that stream
+    existed)."""
+    await provision(hub.js, hub.config, [])
+    listed = hub.js.streams_info
+    made = False
+
+    async def listing_while_a_stream_is_made(offset: int = 0) -> list[StreamInfo]:
+        nonlocal made
+        page = await listed(offset=offset)
+        if not made:  # sorts before every stream the first page held
+            made = True
+            await hub.js.add_stream(StreamConfig("AAA_MADE_MEANWHILE", subjects=["meanwhile"]))
+        return page
+
+    monkeypatch.setattr(hub.js, "streams_info", listing_while_a_stream_is_made)
+    changed = await asyncio.wait_for(provision(hub.js, hub.config, []), timeout=30)
+    assert made
+    assert {r.change for r in changed} == {"unchanged"}
 
 
 def test_subject_overlap_follows_nats_wildcards() -> None:

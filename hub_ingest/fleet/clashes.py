@@ -105,7 +105,12 @@ async def check_foreign_streams(
     """Refuse (`ProvisionError`) before anything changes if another stream is in the way;
     every stream's config as read, by name."""
     read: dict[str, StreamConfig | None] = {}
-    while page := await js.streams_info(offset=len(read)):
+    offset = 0
+    # The offset counts what the server listed, not the names read: a stream made between two
+    # pages shifts the next one back, so a name can come twice, and paging by the names read
+    # would ask for the same page for as long as that stream exists.
+    while page := await js.streams_info(offset=offset):
+        offset += len(page)
         for info in page:
             problem = _clash(info.config.as_dict(), adopt)
             if problem:
