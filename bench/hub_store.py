@@ -33,9 +33,7 @@ from nats.js.api import StorageType, StreamConfig, StreamSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
 
-from edge_agent.protocol.natsserver import ServerProcess
-from edge_agent.protocol.tomlconf import render_sync, sync_policy
-from hub_ingest.local.fleet import free_port
+from bench.sync_policy import start_store
 
 BASELINE = "2m"  # nats-server's default sync_interval
 READING = json.dumps({"ts": "2026-11-27T03:00:00.000Z", "value": 21.5, "pad": "x" * 140}).encode()
@@ -73,20 +71,8 @@ async def _held(js: JetStreamContext, want: int, deadline: float) -> None:
 async def measure(policy: str, root: Path, streams: int, readings: int, pack: int) -> float:
     """Readings a second from the first publish until the aggregate holds them all."""
     home = Path(tempfile.mkdtemp(prefix=f"{policy}-", dir=root))
-    client, monitor = free_port(), free_port()
-    conf = home / "hub.conf"
-    conf.write_text(
-        f"""listen: "127.0.0.1:{client}"
-http: "127.0.0.1:{monitor}"
-jetstream {{
-  store_dir: {json.dumps(str(home / "jetstream"))}
-  max_file_store: 8GiB
-  {render_sync(sync_policy(policy))}
-}}
-"""
-    )
-    server = await ServerProcess(conf, f"http://127.0.0.1:{monitor}").start()
-    nc = await nats.connect(f"nats://127.0.0.1:{client}")
+    server, url = await start_store(home, policy, max_file_store="8GiB")
+    nc = await nats.connect(url)
     try:
         js = nc.jetstream()
         names = [f"EDGE_{i}" for i in range(streams)]

@@ -64,24 +64,33 @@ def _written(pid: int) -> int:
     raise RuntimeError(f"/proc/{pid}/io has no write_bytes")
 
 
-async def measure(policy: str, root: Path, publishes: int, rows: int) -> Cost:
-    home = root / policy
-    home.mkdir(parents=True)
+async def start_store(
+    home: Path, policy: str, max_file_store: str = "4GiB"
+) -> tuple[ServerProcess, str]:
+    """A bare JetStream nats-server on loopback storing under `home` with sync `policy`, and
+    its client URL."""
     client, monitor = free_port(), free_port()
-    conf = home / "island.conf"
+    conf = home / "nats-server.conf"
     conf.write_text(
         f"""listen: "127.0.0.1:{client}"
 http: "127.0.0.1:{monitor}"
 jetstream {{
   store_dir: {json.dumps(str(home / "jetstream"))}
-  max_file_store: 4GiB
+  max_file_store: {max_file_store}
   {render_sync(sync_policy(policy))}
 }}
 """
     )
     server = await ServerProcess(conf, f"http://127.0.0.1:{monitor}").start()
+    return server, f"nats://127.0.0.1:{client}"
+
+
+async def measure(policy: str, root: Path, publishes: int, rows: int) -> Cost:
+    home = root / policy
+    home.mkdir(parents=True)
+    server, url = await start_store(home, policy)
     assert server.proc is not None
-    nc = await nats.connect(f"nats://127.0.0.1:{client}")
+    nc = await nats.connect(url)
     try:
         js = nc.jetstream()
         await js.add_stream(

@@ -17,7 +17,7 @@ from edge_agent.protocol.names import HUB_COMMANDS
 from hub_ingest.core.errors import ProvisionError
 from hub_ingest.core.gather import REQUESTS_AT_ONCE, gather_bounded
 from hub_ingest.fleet.gaps import REFILL_STREAM
-from hub_ingest.fleet.streams import MANAGED_BY, shard_of, stream_list
+from hub_ingest.fleet.streams import MANAGED_BY, every_stream, shard_of, stream_list
 
 # Subjects the fleet's streams carry (devices' `tele.>` and `evt.>`, the aggregates' `fleet.>`,
 # commands) and the deliveries of mirrors across the link (`names.to_hub_prefix`,
@@ -105,15 +105,8 @@ async def check_foreign_streams(
     """Refuse (`ProvisionError`) before anything changes if another stream is in the way;
     every stream's config as read, by name."""
     read: dict[str, StreamConfig | None] = {}
-    offset = 0
-    # The offset counts what the server listed, not the names read: a stream made between two
-    # pages shifts the next one back, so a name can come twice, and paging by the names read
-    # would ask for the same page for as long as that stream exists.
-    while page := await js.streams_info(offset=offset):
-        offset += len(page)
-        for info in page:
-            problem = _clash(info.config.as_dict(), adopt)
-            if problem:
-                raise ProvisionError(problem)
-            read[info.config.name or ""] = info.config
+    for info in await every_stream(js):
+        if problem := _clash(info.config.as_dict(), adopt):
+            raise ProvisionError(problem)
+        read[info.config.name or ""] = info.config
     return read

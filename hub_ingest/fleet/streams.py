@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nats.js import JetStreamContext
+from nats.js.api import StreamInfo
 
 from hub_ingest.fleet.registry import Incarnation
 
@@ -43,13 +44,20 @@ AGGREGATES = (
 )
 
 
+async def every_stream(js: JetStreamContext) -> list[StreamInfo]:
+    """Every stream's info in the domain, all pages of the listing. A stream made between two
+    pages shifts the next one back, so one may come twice: the pages are counted by what the
+    server listed (counting distinct names would ask for the same page for as long as that
+    stream exists)."""
+    infos: list[StreamInfo] = []
+    while page := await js.streams_info(offset=len(infos)):
+        infos.extend(page)
+    return infos
+
+
 async def stream_names(js: JetStreamContext) -> list[str]:
-    """Every stream name in the domain, sorted (the listing API is paged, and a stream
-    created between two pages shifts the second one: a name may come twice)."""
-    names: list[str] = []
-    while page := await js.streams_info(offset=len(names)):
-        names.extend(info.config.name or "" for info in page)
-    return sorted(set(names))
+    """Every stream name in the domain, sorted."""
+    return sorted({info.config.name or "" for info in await every_stream(js)})
 
 
 async def stream_list(js: JetStreamContext, subject: str | None = None) -> list[dict[str, Any]]:
