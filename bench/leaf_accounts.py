@@ -9,7 +9,8 @@ JetStream API (as ``DEVJS.<domain>.API``), flow-control replies, replies to set-
 deliveries on ``hubin.>``. Each device here is a bare island (nats-server at niceness 19)
 with two streams, each with the durable flow-controlled consumer the hub's mirror binds to,
 as the agent makes them; the hub mirrors both and one aggregate sources every telemetry
-mirror. Per mode: steady memory, descriptors and idle CPU, then the hub SIGKILLed with one
+mirror. As in the product on loopback, the links are uncompressed and the hub runs with
+`GOGC=25`. Per mode: steady memory, descriptors and idle CPU, then the hub SIGKILLed with one
 new message on every island, started again, and timed until every mirror has it.
 
 Only the telemetry direction is modelled: the commands' (hub consumers delivering to the
@@ -51,6 +52,7 @@ from nats.js.api import (
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
 
 from edge_agent.protocol.natsserver import ServerProcess
+from hub_ingest.fleet.server import SERVER_ENV
 from hub_ingest.local.fleet import free_port
 
 STREAMS = {"T": "M", "E": "EV"}  # island stream -> prefix of the hub's mirror of it
@@ -107,7 +109,7 @@ listen: "127.0.0.1:{ports["client"]}"
 http: "127.0.0.1:{ports["monitor"]}"
 jetstream {{ domain: hub, store_dir: {json.dumps(str(store))} }}
 accounts {{ {accounts} }}
-leafnodes {{ listen: "127.0.0.1:{ports["leaf"]}" }}
+leafnodes {{ listen: "127.0.0.1:{ports["leaf"]}", compression: accept }}
 """
 
 
@@ -116,7 +118,7 @@ def _island_config(i: int, client: int, monitor: int, leaf: int, store: Path) ->
 listen: "127.0.0.1:{client}"
 http: "127.0.0.1:{monitor}"
 jetstream {{ domain: d{i}, store_dir: {json.dumps(str(store))}, max_file_store: 256MB }}
-leafnodes {{ remotes: [ {{ url: "nats-leaf://d{i}:d{i}@127.0.0.1:{leaf}" }} ] }}
+leafnodes {{ remotes: [ {{ url: "nats-leaf://d{i}:d{i}@127.0.0.1:{leaf}", compression: off }} ] }}
 """
 
 
@@ -155,7 +157,7 @@ class Fleet:
         self.ports = {"client": free_port(), "monitor": free_port(), "leaf": free_port()}
         conf = root / "hub.conf"
         conf.write_text(_hub_config(mode, n, self.ports, root / "hub"))
-        self.hub = ServerProcess(conf, f"http://127.0.0.1:{self.ports['monitor']}")
+        self.hub = ServerProcess(conf, f"http://127.0.0.1:{self.ports['monitor']}", env=SERVER_ENV)
         self.islands: list[ServerProcess] = []
         self.island_ncs: list[NATS] = []
 
