@@ -51,6 +51,7 @@ from nats.js.api import (
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
 
+from bench.fleetscale.common import proc_cpu_s, proc_fds, proc_rss_mib
 from edge_agent.protocol.natsserver import ServerProcess
 from hub_ingest.fleet.server import SERVER_ENV
 from hub_ingest.local.fleet import free_port
@@ -120,24 +121,6 @@ http: "127.0.0.1:{monitor}"
 jetstream {{ domain: d{i}, store_dir: {json.dumps(str(store))}, max_file_store: 256MB }}
 leafnodes {{ remotes: [ {{ url: "nats-leaf://d{i}:d{i}@127.0.0.1:{leaf}", compression: off }} ] }}
 """
-
-
-@dataclass
-class Proc:
-    pid: int
-
-    def rss_mib(self) -> float:
-        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-        return 0.0
-
-    def cpu_s(self) -> float:
-        fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-    def fds(self) -> int:
-        return len(os.listdir(f"/proc/{self.pid}/fd"))
 
 
 @dataclass
@@ -244,9 +227,9 @@ async def hub_client(fleet: Fleet) -> AsyncIterator[JetStreamContext]:
         await nc.close()
 
 
-async def sample(fleet: Fleet, proc: Proc, result: Result) -> None:
+async def count_leafs(fleet: Fleet, result: Result) -> None:
+    """The most leaf connections the hub holds at once, every 0.2 s."""
     while True:
-        result.peak_mib = max(result.peak_mib, proc.rss_mib())
         with contextlib.suppress(Exception):
             varz = await fleet.hub.monitor.get("/varz")
             result.max_leafs = max(result.max_leafs, int(varz.get("leafnodes") or 0))
@@ -271,12 +254,12 @@ async def measure(root: Path, mode: str, n: int, idle_s: float, timeout: float) 
         fill = await fleet.await_all(1, "first fill")
         print(f"{mode}: {n} islands mirrored in {fill:.1f} s", flush=True)
         assert fleet.hub.proc is not None
-        proc = Proc(fleet.hub.proc.pid)
+        pid = fleet.hub.proc.pid
         await asyncio.sleep(5)  # what the fill set going settles
-        result.rss_mib, result.fds = proc.rss_mib(), proc.fds()
-        before = proc.cpu_s()
+        result.rss_mib, result.fds = proc_rss_mib(pid), proc_fds(pid)
+        before = proc_cpu_s(pid)
         await asyncio.sleep(idle_s)
-        result.idle_cpu_pct = (proc.cpu_s() - before) / idle_s * 100
+        result.idle_cpu_pct = (proc_cpu_s(pid) - before) / idle_s * 100
 
         fleet.hub.kill()
         for i, nc in enumerate(fleet.island_ncs):
@@ -285,12 +268,13 @@ async def measure(root: Path, mode: str, n: int, idle_s: float, timeout: float) 
         start = time.monotonic()
         await fleet.hub.start()
         assert fleet.hub.proc is not None
-        proc = Proc(fleet.hub.proc.pid)
-        sampler = asyncio.create_task(sample(fleet, proc, result))
+        pid = fleet.hub.proc.pid
+        sampler = asyncio.create_task(count_leafs(fleet, result))
         try:
             await fleet.await_all(2, "resume")
             result.resume_s = time.monotonic() - start
-            result.restart_cpu_s = proc.cpu_s()
+            result.restart_cpu_s = proc_cpu_s(pid)
+            result.peak_mib = proc_rss_mib(pid, "VmHWM")  # since the restart
         finally:
             sampler.cancel()
         print(f"{mode}: {result}", flush=True)
