@@ -294,7 +294,7 @@ class Agent:
                 )
                 unpacked: tuple[str, ...] = OUTBOUND
                 if any(r.name == READINGS for r in results):  # telemetry crosses in packs
-                    self.packer = Packer(js, self.config.island.max_payload)
+                    self.packer = Packer(nc, self.config.island.max_payload)
                     self._spawn(tg, self.packer.run())
                     unpacked = tuple(s for s in OUTBOUND if s != TELEMETRY)
                 windows = Windows(nc, self.island.monitor, self.config, unpacked)

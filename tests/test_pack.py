@@ -7,6 +7,7 @@ import base64
 import json
 import secrets
 from collections.abc import Sequence
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -17,7 +18,14 @@ from pyspark.sql import SparkSession
 
 from edge_agent.island.streams import incarnations
 from edge_agent.protocol.names import hub_consumer
-from edge_agent.protocol.pack import PACK_HEADER, PACK_SUBJECT, Reading, decode, encode
+from edge_agent.protocol.pack import (
+    PACK_HEADER,
+    PACK_SUBJECT,
+    PackError,
+    Reading,
+    decode,
+    encode,
+)
 from edge_agent.status.health import collect_status
 from hub_ingest.archive import table
 from hub_ingest.archive.audit import audit_archive
@@ -60,8 +68,24 @@ def test_a_pack_keeps_each_reading_and_a_broken_one_stays_a_row() -> None:
         Reading(9, 1_764_000_001_000_000_000, "tele.b.c", b""),
     ]
     body, headers = encode(readings)
-    assert decode(body) == readings
+    # Store times cross to the microsecond, as the archive keeps them.
+    assert decode(body) == [replace(readings[0], time_ns=1_764_000_000_123_456_000), readings[1]]
     assert headers == {PACK_HEADER: "7 9 2"}
+    v1 = b'{"v":1,"r":[[7,1764000000123456789,"tele.a",7,{"Nats-Msg-Id":"x"}],' + (
+        b'[9,1764000001000000000,"tele.b.c",0]]}\n{"v":1}'
+    )
+    assert decode(v1) == readings, "packs of the first form are still read"
+    index, _, payloads = body.partition(b"\n")
+    for broken in (
+        index.replace(b'"size":[7,0]', b'"size":[8,0]'),  # more bytes than the body holds
+        index.replace(b'"size":[7,0]', b'"size":[9,-2]'),
+        index.replace(b'"dseq":[0,2]', b'"dseq":[0]'),
+        index.replace(b'"subject":[0,1]', b'"subject":[0,2]'),
+        index.replace(b'"v":2', b'"v":3'),
+    ):
+        assert broken != index
+        with pytest.raises(PackError):
+            decode(broken + b"\n" + payloads)
 
     blocks = [
         f"NATS/1.0\r\n{PACK_HEADER}: 7 9 2\r\n\r\n".encode(),

@@ -27,7 +27,7 @@ MIN_BYTES = 2 * 1024  # about ten readings: below it, per-message costs come bac
 # The first packs, before a round is measured: 32 of them at ~3x compression (or 6 without)
 # cross the slowest link planned for, 256 kbit/s, in about 2.5 s.
 START_BYTES = 8 * 1024
-MAX_BYTES = 32 * 1024  # of payload per pack, at most (a larger reading goes alone)
+MAX_BYTES = 128 * 1024  # of payload per pack, at most (a larger reading goes alone)
 _STALL_S = 4 * ROUND_S  # a round longer than this was a link down, not a measure
 MIN_WINDOW = 50  # messages: below it, the link idles a round trip for too little
 # A window changes at most this much per round: a round timed between two polls may look

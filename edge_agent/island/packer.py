@@ -18,14 +18,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from dataclasses import dataclass
 
 import nats.errors
 import structlog
+from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, StreamInfo
+from nats.js.api import DEFAULT_PREFIX, AckPolicy, ConsumerConfig, DeliverPolicy, Header, StreamInfo
 from nats.js.errors import APIError, NotFoundError
 
 from edge_agent.island.pace import Pace
@@ -40,7 +41,7 @@ from edge_agent.protocol.pack import (
 
 log = structlog.get_logger(__name__)
 
-PACK_READINGS = 256  # at most, per pack (its bytes: `edge_agent.island.pace`)
+PACK_READINGS = 1024  # at most, per pack (its bytes: `edge_agent.island.pace`)
 # Packs made ahead of what the hub's mirror has been sent. With 4 the drain waited on the
 # packer's polls at every flow-control round trip; 16 sends half a window of 32
 # (`edge_agent.island.streams.PACK_WINDOW`) at once, and the rest is packed while it crosses.
@@ -51,6 +52,7 @@ IDLE_S = 0.2  # the longest a reading waits for the packer when nothing is queue
 _POLL_S = (0.05, 0.2, 1.0)
 _STILL_S = 10.0
 _RETRY_S = 1.0  # after an island error, before the packer starts again
+_REQUEST_S = 10.0  # beyond its own expiry, the longest a batch request is waited for
 
 
 @dataclass(slots=True)
@@ -62,8 +64,9 @@ class PackerStats:
 
 
 class Packer:
-    def __init__(self, js: JetStreamContext, max_payload: int) -> None:
-        self.js = js
+    def __init__(self, nc: Client, max_payload: int) -> None:
+        self.nc = nc
+        self.js = nc.jetstream()
         self.max_payload = max_payload
         self.pace = Pace()
         self.stats = PackerStats(pack_bytes=self.pace.pack_bytes)
@@ -82,29 +85,17 @@ class Packer:
         info = await self.js.stream_info(TELEMETRY)
         consumer = hub_consumer(incarnation_of(info) or "")
         last, cursor = info.state.last_seq, await self._cursor(info)
-        sub = await self.js.pull_subscribe(
-            "",
-            stream=READINGS,
-            config=ConsumerConfig(
-                deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
-                opt_start_seq=cursor + 1,
-                ack_policy=AckPolicy.NONE,
-                inactive_threshold=60.0,
-            ),
-        )
         self._held = []
-        try:
+        async with _Batches(self.nc, cursor + 1) as batches:
             while True:
                 await self._await_room(consumer)
-                readings = await self._next(sub)
+                readings = await self._next(batches)
                 if not readings:
                     continue
                 if readings[0].seq > cursor + 1:
                     self._skipped(cursor, readings[0].seq)
                 last = await self._publish(readings, last)
                 cursor = readings[-1].seq
-        finally:
-            await sub.unsubscribe()
 
     async def _cursor(self, telemetry: StreamInfo) -> int:
         """The last reading packed; with no pack left, the one before the first there is."""
@@ -136,13 +127,10 @@ class Packer:
                 poll = min(poll * 2, longest)
             await asyncio.sleep(poll)
 
-    async def _next(self, sub: JetStreamContext.PullSubscription) -> list[Reading]:
+    async def _next(self, batches: _Batches) -> list[Reading]:
         """The next pack's readings (none when nothing came within `IDLE_S`)."""
         if len(self._held) < PACK_READINGS:
-            # Nothing new: pack what is held. (nats-py raises its own TimeoutError or, when
-            # nothing came at all, asyncio's.)
-            with contextlib.suppress(TimeoutError):
-                self._held += await sub.fetch(PACK_READINGS - len(self._held), timeout=IDLE_S)
+            self._held += await batches.next(PACK_READINGS - len(self._held), IDLE_S)
         taken, size = 0, 0
         for msg in self._held:
             if taken and size + len(msg.data) > self.pace.pack_bytes:
@@ -168,6 +156,55 @@ class Packer:
     def _skipped(self, cursor: int, first: int) -> None:
         self.stats.skipped += first - cursor - 1
         log.warning("readings_skipped", first=cursor + 1, last=first - 1, reason="budget")
+
+
+class _Batches:
+    """``READINGS`` from `start` on, read in batches through an ephemeral pull consumer into
+    a subscription's callback: nats-py's `fetch` awaits each message with a timeout of its
+    own, and took 13,000 readings/s here where a callback takes 110,000, while a compressed
+    LTE link carries more than 10,000 readings/s in packs."""
+
+    def __init__(self, nc: Client, start: int) -> None:
+        self.nc, self.start = nc, start
+        self._inbox = nc.new_inbox()
+        self._got: list[Msg] = []
+        self._wanted = 0
+        self._done = asyncio.Event()
+
+    async def __aenter__(self) -> _Batches:
+        self._sub = await self.nc.subscribe(self._inbox, cb=self._on_msg)
+        config = ConsumerConfig(
+            deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
+            opt_start_seq=self.start,
+            ack_policy=AckPolicy.NONE,
+            inactive_threshold=60.0,
+        )
+        info = await self.nc.jetstream().add_consumer(READINGS, config)
+        self._next_subject = f"{DEFAULT_PREFIX}.CONSUMER.MSG.NEXT.{READINGS}.{info.name}"
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        with contextlib.suppress(nats.errors.Error):
+            await self._sub.unsubscribe()
+
+    async def next(self, most: int, wait: float) -> list[Msg]:
+        """Up to `most` readings: `most` as soon as they are there, else those within `wait`.
+        One request at a time: each ends in `most` readings or a status, and a request that
+        is not answered raises TimeoutError, ending this reader."""
+        self._got, self._wanted = [], most
+        self._done.clear()
+        request = {"batch": most, "expires": int(wait * 1e9)}
+        await self.nc.publish(self._next_subject, json.dumps(request).encode(), reply=self._inbox)
+        await asyncio.wait_for(self._done.wait(), wait + _REQUEST_S)
+        return self._got
+
+    async def _on_msg(self, msg: Msg) -> None:
+        if msg.headers and msg.headers.get(Header.STATUS):  # expired, or the batch is cut short
+            self._done.set()
+            return
+        self._got.append(msg)
+        if len(self._got) >= self._wanted:
+            self._done.set()
 
 
 def _reading(msg: Msg) -> Reading:
