@@ -109,6 +109,28 @@ def test_a_pack_keeps_each_reading_and_a_broken_one_stays_a_row() -> None:
     assert first == 1_764_000_000_123_456
 
 
+def test_a_batch_of_full_packs_unpacks() -> None:
+    """17 packs of 1,024 readings of 128 bytes: unpacking once copied each pack's whole body
+    per reading it held, 2.3 GB here, past what an Arrow binary column holds."""
+    packs = [
+        encode([Reading(p * 1024 + i, 0, "tele.a", bytes(128)) for i in range(1, 1025)])
+        for p in range(17)
+    ]
+    blocks = [f"NATS/1.0\r\n{PACK_HEADER}: {h[PACK_HEADER]}\r\n\r\n".encode() for _, h in packs]
+    columns = {
+        "subject": pa.array(["pack.tele"] * 17),
+        "device_seq": pa.array(range(1, 18), pa.int64()),
+        "hub_seq": pa.array(range(1, 18), pa.int64()),
+        "device_time": pa.array([0] * 17, pa.timestamp("us", tz="UTC")),
+        "headers": header_map(pa.array(blocks, pa.binary())),
+        "payload": pa.array([body for body, _ in packs], pa.binary()),
+    }
+    out = unpack(columns, ARROW_SCHEMA)
+    assert out["device_seq"].to_pylist() == list(range(1, 17 * 1024 + 1))
+    assert out["hub_seq"].to_pylist() == [p for p in range(1, 18) for _ in range(1024)]
+    assert list(out) == list(columns)
+
+
 @pytest.mark.timeout(300)
 async def test_a_backlog_crosses_in_packs_and_is_archived_one_row_per_reading(
     hub: Hub, spark: SparkSession, tmp_path: Path

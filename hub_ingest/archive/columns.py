@@ -149,12 +149,18 @@ def unpack(columns: dict[str, pa.Array], schema: pa.Schema) -> dict[str, pa.Arra
             readings["headers"].append(list(r.headers.items()))
             readings["payload"].append(r.data)
     taken = pa.array(rows, pa.int64())
-    out = {name: pc.take(array, taken) for name, array in columns.items()}
+    # Only the pack's own columns are repeated per reading: taking its payload too copied the
+    # whole pack once per reading it held (a batch of 128 KiB packs overflowed Arrow's 2 GiB).
+    out = {
+        name: pc.take(array, taken)
+        for name, array in columns.items()
+        if name not in _READING_COLUMNS
+    }
     for name, values in readings.items():
         kind = schema.field(name).type
         raw = pa.int64() if name == "device_time" else kind
         out[name] = pa.array(values, raw).cast(kind)
-    return out
+    return {name: out[name] for name in columns}
 
 
 def header_values(headers: pa.MapArray, name: str) -> pa.Array:
