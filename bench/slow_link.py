@@ -53,7 +53,7 @@ from edge_agent.protocol.logs import configure_logging
 from edge_agent.protocol.pack import PACK_HEADER, PACK_SUBJECT, decode, pack_range
 from hub_ingest.archive import table
 from hub_ingest.commands.send import send
-from hub_ingest.ingest.job import ingest, spark_session
+from hub_ingest.ingest.job import IngestSummary, ingest, spark_session
 from hub_ingest.local.link import LinkProxy, Shape
 from tests.support.cluster import Device, Hub, mirror_live, start_hub, stream_messages
 from tests.support.commands import results
@@ -79,6 +79,7 @@ class Drain:
     bytes_up: int
     command_start_s: float  # a command sent halfway through the drain
     offline_command_s: float  # one sent while the link was down, from the link's return
+    resumed_s: float  # from the link's return until the hub's mirror took a first reading
     at_hub: int
     lost: int
     duplicated: int
@@ -177,7 +178,7 @@ async def drain(
     `packed`: the device packs its telemetry (``hub.pack``)."""
     hub = await start_hub(root, leaf_compression=compression)
     stop_ingest = threading.Event()
-    ingesting: asyncio.Future[object] | None = None
+    ingesting: asyncio.Future[IngestSummary] | None = None
     try:
         # Both ends set, so that each run measures its mode from the first byte (by default
         # a device chooses by the round trip it measures, `edge_agent.island.compression`).
@@ -202,24 +203,9 @@ async def drain(
             )
         start = time.monotonic()
         device.proxy.restore()
-        command_s = offline_s = -1.0
-        cut_at = [readings * (k + 1) // (cuts + 2) for k in range(cuts)]
-        while True:
-            stored, last, at_hub = await _counts(hub, device, packed)
-            if offline_s < 0 and await _has_result(device, offline.id):
-                offline_s = time.monotonic() - start
-            if command_s < 0 and stored >= readings // 2:
-                command_s = await _command_start(hub, device)
-            if cut_at and stored >= cut_at[0]:
-                cut_at.pop(0)
-                device.proxy.cut()
-                await device.wait_link(up=False)
-                device.proxy.restore()
-            if at_hub >= readings and last >= readings and offline_s >= 0:
-                break
-            if time.monotonic() - start > 1800:
-                break
-            await asyncio.sleep(0.25)
+        command_s, offline_s, resumed_s = await _until_drained(
+            hub, device, readings, packed=packed, cuts=cuts, offline=offline.id, start=start
+        )
         elapsed = time.monotonic() - start
         archive_s = None
         if spark is not None:
@@ -236,6 +222,7 @@ async def drain(
             device.proxy.bytes_up,
             command_s,
             offline_s,
+            resumed_s,
             at_hub,
             lost=lost,
             duplicated=duplicated,
@@ -246,6 +233,33 @@ async def drain(
         if ingesting is not None:
             await ingesting
         await hub.close()
+
+
+async def _until_drained(
+    hub: Hub, device: Device, readings: int, *, packed: bool, cuts: int, offline: str, start: float
+) -> tuple[float, float, float]:
+    """Watch the drain (cutting the link `cuts` times in it) until the hub has every reading
+    and command `offline` ran: (a command's start midway, `offline`'s start, the first
+    reading at the hub), in seconds, each from `start` but the first."""
+    command_s = offline_s = resumed_s = -1.0
+    cut_at = [readings * (k + 1) // (cuts + 2) for k in range(cuts)]
+    while time.monotonic() - start < 1800:
+        stored, last, at_hub = await _counts(hub, device, packed)
+        if resumed_s < 0 and stored > 0:
+            resumed_s = time.monotonic() - start
+        if offline_s < 0 and await _has_result(device, offline):
+            offline_s = time.monotonic() - start
+        if command_s < 0 and stored >= readings // 2:
+            command_s = await _command_start(hub, device)
+        if cut_at and stored >= cut_at[0]:
+            cut_at.pop(0)
+            device.proxy.cut()
+            await device.wait_link(up=False)
+            device.proxy.restore()
+        if at_hub >= readings and last >= readings and offline_s >= 0:
+            break
+        await asyncio.sleep(0.25)
+    return command_s, offline_s, resumed_s
 
 
 async def _verify(hub: Hub, device: Device, readings: int, packed: bool) -> tuple[int, int, int]:
@@ -321,7 +335,8 @@ class ShapeRun:
             f"{self.name}: {on.readings} readings; tcp {self.tcp_raw_s:.1f}s raw, "
             f"{self.tcp_compressed_s:.1f}s snappy | off {off.elapsed_s:.1f}s, utilization "
             f"{off.utilization(self.shape):.2f}, tcp_ratio {self.tcp_raw_s / off.elapsed_s:.2f} "
-            f"| s2_auto {on.elapsed_s:.1f}s, utilization {on.utilization(self.shape):.2f}, "
+            f"| s2_auto {on.elapsed_s:.1f}s (resumed after {on.resumed_s:.1f}s), utilization "
+            f"{on.utilization(self.shape):.2f}, "
             f"goodput {on.goodput_ratio(self.shape):.2f}x, "
             f"{on.readings / on.elapsed_s:.0f} readings/s, tcp_ratio "
             f"{self.tcp_ratio:.2f} | command started in {off.command_start_s:.2f}s and "
@@ -359,7 +374,8 @@ async def day(packed: bool) -> Drain:
         spark.stop()
     print(
         f"day: {run.readings} readings at the hub in {run.elapsed_s:.1f}s, in the archive in "
-        f"{run.archive_s:.1f}s; utilization {run.utilization(LTE):.2f}, goodput "
+        f"{run.archive_s:.1f}s (resumed after {run.resumed_s:.1f}s); utilization "
+        f"{run.utilization(LTE):.2f}, goodput "
         f"{run.goodput_ratio(LTE):.2f}x, command started in {run.command_start_s:.2f}s "
         f"(sent while cut: {run.offline_command_s:.2f}s after the link returned), "
         f"lost {run.lost}, duplicated {run.duplicated}",
