@@ -195,6 +195,24 @@ async def test_the_packer_neither_repeats_nor_skips_across_agent_restarts(hub: H
     assert packed_seqs(await stream_messages(device.js, "TELEMETRY")) == list(range(1, 3001))
 
 
+async def test_packs_stay_within_a_small_island_max_payload(hub: Hub) -> None:
+    """An island whose max_payload (16 KiB) is below the packs the pace grows to: a pack over
+    it crosses as two, where it was dropped whole (its readings counted skipped)."""
+    small = {**PACKED, "island": {"max_payload": 16 * 1024}}
+    device = await hub.device("p4", register_when_ready=True, sections=small)
+    mirror = await hub.mirror(device.id)
+    await eventually(lambda: mirror_live(hub.js, mirror), timeout=RESUME_TIMEOUT)
+    device.proxy.cut()
+    await device.wait_link(up=False)
+    await _publish(device, 0, 4000, noise=200)  # 860 kB: packs grow past 16 KiB on loopback
+    device.proxy.restore()
+    await eventually(lambda: _hub_holds(hub, device, 4000), timeout=RESUME_TIMEOUT + 60)
+    packs = await stream_messages(device.js, "TELEMETRY")
+    assert packed_seqs(packs) == list(range(1, 4001))
+    assert max(len(p.data or b"") for p in packs) <= 16 * 1024
+    await eventually(partial(_beat_packed, device, 4000), timeout=30, what="heartbeat")
+
+
 async def _beat_packed(device: Device, readings: int) -> bool:
     """The device's last heartbeat says the packer packed `readings` and skipped none."""
     msg = await device.js.get_last_msg("EVENTS", f"evt.{device.id}.heartbeat")

@@ -52,6 +52,7 @@ IDLE_S = 0.2  # the longest a reading waits for the packer when nothing is queue
 _POLL_S = (0.05, 0.2, 1.0)
 _STILL_S = 10.0
 _RETRY_S = 1.0  # after an island error, before the packer starts again
+_HEADERS = 256  # bytes of a pack's headers, at most, within the island's max_payload
 _REQUEST_S = 10.0  # beyond its own expiry, the longest a batch request is waited for
 
 
@@ -141,10 +142,16 @@ class Packer:
 
     async def _publish(self, readings: list[Reading], last: int) -> int:
         body, headers = encode(readings)
-        if len(body) > self.max_payload:
-            # One reading near the island's max_payload: a pack cannot carry it.
+        too_large = len(body) + _HEADERS > self.max_payload
+        if too_large and len(readings) > 1:
+            # Over the island's max_payload (set below a full pack, or the index and headers
+            # pushed it over): two packs. Only a reading too large alone is left out.
+            half = len(readings) // 2
+            last = await self._publish(readings[:half], last)
+            return await self._publish(readings[half:], last)
+        if too_large:
             log.error("reading_too_large_to_pack", seq=readings[0].seq, bytes=len(body))
-            self.stats.skipped += len(readings)
+            self.stats.skipped += 1
             return last
         headers["Nats-Expected-Last-Sequence"] = str(last)
         ack = await self.js.publish(PACK_SUBJECT, body, stream=TELEMETRY, headers=headers)
