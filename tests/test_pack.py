@@ -213,6 +213,23 @@ async def test_packs_stay_within_a_small_island_max_payload(hub: Hub) -> None:
     await eventually(partial(_beat_packed, device, 4000), timeout=30, what="heartbeat")
 
 
+async def test_the_packer_reads_on_when_its_consumer_is_gone(hub: Hub) -> None:
+    """The packer's ephemeral consumer on READINGS deleted (as an island restart loses it):
+    its next batch request finds no responder, and the packer starts again instead of
+    asking on and on for nothing."""
+    device = await hub.device("p5", register_when_ready=True, sections=PACKED)
+    mirror = await hub.mirror(device.id)
+    await eventually(lambda: mirror_live(hub.js, mirror), timeout=RESUME_TIMEOUT)
+    await _publish(device, 0, 5)
+    await eventually(lambda: _hub_holds(hub, device, 5), timeout=30, what="first readings")
+    consumers = await device.js.consumers_info("READINGS")
+    assert consumers
+    for consumer in consumers:
+        await device.js.delete_consumer("READINGS", consumer.name)
+    await _publish(device, 5, 20)
+    await eventually(lambda: _hub_holds(hub, device, 25), timeout=30, what="the rest")
+
+
 async def _beat_packed(device: Device, readings: int) -> bool:
     """The device's last heartbeat says the packer packed `readings` and skipped none."""
     msg = await device.js.get_last_msg("EVENTS", f"evt.{device.id}.heartbeat")
