@@ -83,49 +83,53 @@ def decode(body: bytes) -> list[Reading]:
     if not isinstance(index, dict) or index.get("v") not in (1, 2):
         raise PackError("not a version 1 or 2 pack")
     try:
-        readings = _readings_v2(index, rest) if index["v"] == 2 else _readings_v1(index, rest)
-    except PackError:
-        raise
+        entries = _entries_v2(index) if index["v"] == 2 else _entries_v1(index)
     except (KeyError, TypeError, ValueError, IndexError) as exc:
         raise PackError(f"pack index entry malformed: {exc!r}") from None
-    return readings
+    return _readings(entries, rest)
+
+
+# What the index says of one reading: sequence, store time (ns), subject, size, headers.
+_Entry = tuple[int, int, str, int, dict[str, str]]
 
 
 def _differences(values: list[int]) -> list[int]:
     return [0, *(b - a for a, b in pairwise(values))]
 
 
-def _readings_v2(index: dict[str, Any], rest: bytes) -> list[Reading]:
+def _entries_v2(index: dict[str, Any]) -> list[_Entry]:
     seqs = list(accumulate(index["dseq"], initial=index["seq"]))[1:]
     micros = list(accumulate(index["dus"], initial=index["us"]))[1:]
     subjects = [index["subjects"][i] for i in index["subject"]]
     sizes, headers = index["size"], dict(index["headers"])
     if not len(seqs) == len(micros) == len(subjects) == len(sizes):
         raise ValueError("index columns differ in length")
-    if any(size < 0 for size in sizes):
-        raise ValueError("a negative size")
-    ends = list(accumulate(sizes, initial=0))
-    _check_size(ends[-1], rest)
     return [
-        Reading(seq, us * 1000, subject, rest[start:end], headers.get(i, {}))
-        for i, (seq, us, subject, start, end) in enumerate(
-            zip(seqs, micros, subjects, ends[:-1], ends[1:], strict=True)
+        (seq, us * 1000, subject, size, headers.get(i, {}))
+        for i, (seq, us, subject, size) in enumerate(
+            zip(seqs, micros, subjects, sizes, strict=True)
         )
     ]
 
 
-def _readings_v1(index: dict[str, Any], rest: bytes) -> list[Reading]:
-    readings, at = [], 0
-    for seq, time_ns, subject, size, *headers in index["r"]:
-        readings.append(Reading(seq, time_ns, subject, rest[at : at + size], *headers))
-        at += size
-    _check_size(at, rest)
-    return readings
+def _entries_v1(index: dict[str, Any]) -> list[_Entry]:
+    return [
+        (seq, time_ns, subject, size, dict(*headers))
+        for seq, time_ns, subject, size, *headers in index["r"]
+    ]
 
 
-def _check_size(indexed: int, rest: bytes) -> None:
-    if indexed != len(rest):
+def _readings(entries: list[_Entry], rest: bytes) -> list[Reading]:
+    """The readings `entries` index, their payloads cut from `rest` in order."""
+    if any(size < 0 for _, _, _, size, _ in entries):
+        raise PackError("pack index entry malformed: a negative size")
+    if (indexed := sum(size for _, _, _, size, _ in entries)) != len(rest):
         raise PackError(f"pack body holds {len(rest)} payload bytes, its index {indexed}")
+    readings, at = [], 0
+    for seq, time_ns, subject, size, headers in entries:
+        readings.append(Reading(seq, time_ns, subject, rest[at : at + size], headers))
+        at += size
+    return readings
 
 
 def pack_range(header: str) -> tuple[int, int]:
