@@ -52,6 +52,7 @@ from edge_agent.island.windows import Windows
 from edge_agent.outbox.drain import Drainer
 from edge_agent.outbox.store import Outbox
 from edge_agent.protocol.files import write_json
+from edge_agent.protocol.monitor import LeafRtt
 from edge_agent.protocol.names import EVENTS, OUTBOUND, TELEMETRY, command_stream, inbox_prefix
 from edge_agent.protocol.pack import READINGS
 from edge_agent.protocol.units import utc_now_iso
@@ -293,11 +294,12 @@ class Agent:
                     r.name == EVENTS and r.change == "created" for r in results
                 )
                 unpacked: tuple[str, ...] = OUTBOUND
+                rtt = LeafRtt(self.island.monitor)
                 if any(r.name == READINGS for r in results):  # telemetry crosses in packs
-                    self.packer = Packer(nc, self.config.island.max_payload)
+                    self.packer = Packer(nc, self.config.island.max_payload, rtt)
                     self._spawn(tg, self.packer.run())
                     unpacked = tuple(s for s in OUTBOUND if s != TELEMETRY)
-                windows = Windows(nc, self.island.monitor, self.config, unpacked)
+                windows = Windows(nc, rtt, self.config, unpacked)
                 self._spawn(tg, windows.run())
             if not self.ready.is_set():
                 self.notifier.ready()

@@ -69,6 +69,21 @@ def test_a_trickle_or_a_link_down_changes_nothing() -> None:
     assert (pace.pack_bytes, pace.rate) == (START_BYTES, None)
 
 
+def test_on_a_long_link_packs_fill_rounds_of_several_round_trips() -> None:
+    """On a 600 ms link, 8 packs of 8 KiB a round of 2.6 s crossed in 2 s: 32 KiB/s, and a
+    round may take five round trips there, 3 s: packs of 12 KiB. Counting the round trip as
+    the link's slowness, and rounds of `ROUND_S`, they would shrink to 6 KiB."""
+    pace = Pace(rtt=0.6)
+    seq = _round(pace, 1, WINDOW, START_BYTES, 1.0, full=True)
+    _round(pace, seq, WINDOW, START_BYTES, 3.6, full=True)
+    assert pace.rate == WINDOW * START_BYTES / 2.0
+    assert pace.pack_bytes == int(WINDOW * START_BYTES / 2.0 * 3.0 / WINDOW)
+    pace = Pace()
+    seq = _round(pace, 1, WINDOW, START_BYTES, 1.0, full=True)
+    _round(pace, seq, WINDOW, START_BYTES, 3.6, full=True)
+    assert pace.pack_bytes == int(WINDOW * START_BYTES / 2.6 * ROUND_S / WINDOW)
+
+
 def test_a_telemetry_made_again_starts_the_count_over() -> None:
     pace = Pace()
     seq = _round(pace, 1, WINDOW, START_BYTES, 1.0, full=True)

@@ -7,15 +7,18 @@ reads, status replies) queues behind that window. Full packs over a 256 kbit/s l
 9 s deep, and a new device's first command waited 22 s for its fence.
 
 So each round (one reply of the hub) is measured: when the window was full in it, the link
-set its pace, and a pack becomes what the link carried per second times `ROUND_S`, divided
-by the window; a round then settles at `ROUND_S` (the window's crossing plus the reply's
-round trip), whatever the link, and a request queues behind at most about that. When the
-window was not full but packs were cut to size (readings were left for the next one), the
-link could take more: packs double, up to `MAX_BYTES`. Packs start at `START_BYTES`.
+set its pace, and a pack becomes what the link carried per second while the window crossed
+(the round less the link's round trip `rtt`) times `ROUND_S`, divided by the window; a
+window then crosses in about `ROUND_S`, whatever the link, and a request queues behind at
+most about that. On a long link a round also idles a round trip waiting for the hub's reply,
+so there a window may take up to `_WAIT_RTTS` round trips (twice `ROUND_S` at most): on a
+600 ms satellite link, 3 s. When the window was not full but packs were cut to size
+(readings were left for the next one), the link could take more: packs double, up to
+`MAX_BYTES`. Packs start at `START_BYTES`.
 
 An unpacked stream's messages are as large as apps make them, so there the window itself is
 sized (`Window`): as large as lets a request to the hub, sent as it goes, wait about
-`ROUND_S` behind it.
+`ROUND_S` behind it (on a long link, as long as packs' rounds).
 """
 
 from __future__ import annotations
@@ -41,10 +44,22 @@ _RESIZE = 0.2  # a window is set again only when the pace asks for this much mor
 _WAIT_RTTS = 5
 
 
+def _wait(rtt: float) -> float:
+    """How long a request may queue behind a window, on a link of round trip `rtt`."""
+    return min(max(ROUND_S, _WAIT_RTTS * rtt), 2 * ROUND_S)
+
+
+def _crossing(took: float, rtt: float) -> float:
+    """How long a full window took to cross, of a round that `took` this long (the rest was
+    the hub's reply coming back); at least half the round, should `rtt` be off."""
+    return max(took - rtt, took / _GROWTH)
+
+
 @dataclass(slots=True)
 class Pace:
     pack_bytes: int = START_BYTES
-    rate: float | None = None  # bytes a second the hub acknowledged, in the last full round
+    rtt: float = 0.0  # the link's round trip, as last measured
+    rate: float | None = None  # bytes a second the link carried, in the last full round
     _unacked: dict[int, int] = field(default_factory=dict)  # pack sequence → its bytes
     _floor: int = 0
     _since: float | None = None  # when the last round ended
@@ -66,14 +81,14 @@ class Pace:
             acked = sum(self._unacked.pop(s) for s in [s for s in self._unacked if s <= floor])
             self._floor = floor
             if self._since is not None and 0 < now - self._since <= _STALL_S:
-                self._resize(acked / (now - self._since), window)
+                self._resize(acked, now - self._since, window)
             self._since, self._full, self._cut = now, False, False
         self._full = self._full or in_flight >= window
 
-    def _resize(self, rate: float, window: int) -> None:
+    def _resize(self, acked: int, took: float, window: int) -> None:
         if self._full:
-            self.rate = rate
-            size = self.rate * ROUND_S / max(window, 1)
+            self.rate = acked / _crossing(took, self.rtt)
+            size = self.rate * _wait(self.rtt) / max(window, 1)
         elif self._cut:
             size = self.pack_bytes * 2
         else:
@@ -120,10 +135,9 @@ class Window:
         return ended
 
     def _resize(self, acked: int, took: float) -> None:
-        wait = min(max(ROUND_S, _WAIT_RTTS * self.rtt), 2 * ROUND_S)
+        wait = _wait(self.rtt)
         if self.queued is None:
-            crossing = max(took - self.rtt, took / _GROWTH)
-            wanted = acked / crossing * wait
+            wanted = acked / _crossing(took, self.rtt) * wait
         else:
             wanted = self.size * wait / max(self.queued, wait / _GROWTH)
         wanted = min(max(wanted, self.size / _GROWTH, MIN_WINDOW), self.size * _GROWTH, self.most)

@@ -17,7 +17,6 @@ is kept in the consumer, so a link that returns starts at the pace it had; a rec
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from dataclasses import dataclass
 
@@ -29,8 +28,7 @@ from nats.js.errors import APIError, NotFoundError
 from edge_agent.core.config import Config
 from edge_agent.island.pace import Window
 from edge_agent.island.streams import hub_consumer_config, incarnation_of
-from edge_agent.protocol.errors import MonitorUnavailable
-from edge_agent.protocol.monitor import Monitor
+from edge_agent.protocol.monitor import LeafRtt
 from edge_agent.protocol.names import command_stream, hub_consumer
 from edge_agent.protocol.reconcile import MIRROR_WINDOW
 
@@ -40,9 +38,6 @@ log = structlog.get_logger(__name__)
 # timed to within this), and while nothing is.
 _BUSY_S = 0.1
 _IDLE_S = 1.0
-# How often the link's round trip is read, as nats-server measured it on the leaf connection
-# (when it connected, then every ping interval).
-_RTT_EVERY_S = 5.0
 _PROBE_TIMEOUT_S = 30.0  # a probe still unanswered counts as waiting as long as it has
 
 
@@ -58,17 +53,13 @@ class Windows:
     (the info of the device's command stream, as the clock check reads it), which queues
     behind the window just sent, like the device's own requests."""
 
-    def __init__(
-        self, nc: Client, monitor: Monitor, config: Config, streams: tuple[str, ...]
-    ) -> None:
+    def __init__(self, nc: Client, rtt: LeafRtt, config: Config, streams: tuple[str, ...]) -> None:
         self.nc = nc
         self.js = nc.jetstream()
-        self.monitor = monitor
+        self.rtt = rtt
         self.config = config
         self.streams = streams
         self._paced: dict[str, _Paced] = {}
-        self._rtt = 0.0
-        self._rtt_at = 0.0
         self._probe_subject = (
             f"{config.hub.api_prefix}.STREAM.INFO.{command_stream(config.device_id)}"
         )
@@ -79,7 +70,7 @@ class Windows:
     async def run(self) -> None:
         try:
             while True:
-                await self._sample_rtt()
+                await self.rtt.read()
                 busy = False
                 for stream in self.streams:
                     try:
@@ -105,7 +96,7 @@ class Windows:
         if window != paced.pace.size:  # first read, or a reconcile started it again
             paced.pace = Window(window, MIRROR_WINDOW)
         floor, in_flight = info.ack_floor.stream_seq, info.num_ack_pending
-        paced.pace.rtt, paced.pace.queued = self._rtt, self._waited()
+        paced.pace.rtt, paced.pace.queued = self.rtt.seconds, self._waited()
         ended = paced.pace.observe(floor, in_flight, window, time.monotonic())
         if paced.pace.size != window:
             config = hub_consumer_config(self.config, stream, paced.incarnation)
@@ -116,19 +107,11 @@ class Windows:
             self._send_probe()
         return bool(in_flight or info.num_pending)
 
-    async def _sample_rtt(self) -> None:
-        if time.monotonic() - self._rtt_at < _RTT_EVERY_S:
-            return
-        self._rtt_at = time.monotonic()
-        with contextlib.suppress(MonitorUnavailable):
-            if (rtt := await self.monitor.leaf_rtt()) is not None:
-                self._rtt = rtt
-
     def _waited(self) -> float | None:
         """What the last probe waited more than a round trip (one still out: so far)."""
         queued = self._queued
         if self._probe is not None and not self._probe.done():
-            so_far = time.monotonic() - self._probe_sent - self._rtt
+            so_far = time.monotonic() - self._probe_sent - self.rtt.seconds
             queued = so_far if queued is None else max(queued, so_far)
         return queued
 
@@ -143,4 +126,4 @@ class Windows:
         except (nats.errors.Error, TimeoutError) as exc:
             log.debug("uplink_probe_failed", error=repr(exc))
             return
-        self._queued = max(time.monotonic() - sent - self._rtt, 0.0)
+        self._queued = max(time.monotonic() - sent - self.rtt.seconds, 0.0)

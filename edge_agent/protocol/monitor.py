@@ -7,9 +7,10 @@ import contextlib
 import http.client
 import json
 import re
+import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from edge_agent.protocol.errors import MonitorUnavailable
@@ -62,6 +63,26 @@ class Monitor:
             if leaf.get("is_spoke") and (rtt := go_duration(str(leaf.get("rtt") or ""))):
                 return rtt
         return None
+
+
+@dataclass(slots=True)
+class LeafRtt:
+    """The leaf link's round trip in seconds, as the island's server measured it (when it
+    connected, then every ping interval), read again at most every `every` seconds; the last
+    one read stands while the link is down or the endpoint does not answer (0: none yet)."""
+
+    monitor: Monitor
+    every: float = 5.0
+    seconds: float = 0.0
+    _read_at: float = field(default=-float("inf"), repr=False)
+
+    async def read(self) -> float:
+        if time.monotonic() - self._read_at >= self.every:
+            self._read_at = time.monotonic()
+            with contextlib.suppress(MonitorUnavailable):
+                if (rtt := await self.monitor.leaf_rtt()) is not None:
+                    self.seconds = rtt
+        return self.seconds
 
 
 _GO_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
