@@ -4,6 +4,8 @@ acknowledges."""
 
 from __future__ import annotations
 
+import pytest
+
 from edge_agent.island.pace import (
     MAX_BYTES,
     MIN_BYTES,
@@ -71,13 +73,19 @@ def test_a_trickle_or_a_link_down_changes_nothing() -> None:
 
 def test_on_a_long_link_packs_fill_rounds_of_several_round_trips() -> None:
     """On a 600 ms link, 8 packs of 8 KiB a round of 2.6 s crossed in 2 s: 32 KiB/s, and a
-    round may take five round trips there, 3 s: packs of 12 KiB. Counting the round trip as
-    the link's slowness, and rounds of `ROUND_S`, they would shrink to 6 KiB."""
+    round may take five round trips there, 3 s, of which 2.4 s crossing: packs of 9.6 KiB.
+    Counting the round trip as the link's slowness, and rounds of `ROUND_S`, they would
+    shrink to 6 KiB. On a shorter link a round stays at `ROUND_S`, the reply in it."""
     pace = Pace(rtt=0.6)
     seq = _round(pace, 1, WINDOW, START_BYTES, 1.0, full=True)
     _round(pace, seq, WINDOW, START_BYTES, 3.6, full=True)
     assert pace.rate == WINDOW * START_BYTES / 2.0
-    assert pace.pack_bytes == int(WINDOW * START_BYTES / 2.0 * 3.0 / WINDOW)
+    assert pace.pack_bytes == int(WINDOW * START_BYTES / 2.0 * 2.4 / WINDOW)
+    pace = Pace(rtt=0.3)
+    seq = _round(pace, 1, WINDOW, START_BYTES, 1.0, full=True)
+    _round(pace, seq, WINDOW, START_BYTES, 1.0 + 2 * ROUND_S, full=True)
+    assert pace.rate is not None
+    assert WINDOW * pace.pack_bytes / pace.rate + 0.3 == pytest.approx(ROUND_S, rel=1e-3)
     pace = Pace()
     seq = _round(pace, 1, WINDOW, START_BYTES, 1.0, full=True)
     _round(pace, seq, WINDOW, START_BYTES, 3.6, full=True)

@@ -7,12 +7,13 @@ reads, status replies) queues behind that window. Full packs over a 256 kbit/s l
 9 s deep, and a new device's first command waited 22 s for its fence.
 
 So each round (one reply of the hub) is measured: when the window was full in it, the link
-set its pace, and a pack becomes what the link carried per second while the window crossed
-(the round less the link's round trip `rtt`) times `ROUND_S`, divided by the window; a
-window then crosses in about `ROUND_S`, whatever the link, and a request queues behind at
-most about that. On a long link a round also idles a round trip waiting for the hub's reply,
-so there a window may take up to `_WAIT_RTTS` round trips (twice `ROUND_S` at most): on a
-600 ms satellite link, 3 s. When the window was not full but packs were cut to size
+set its pace: the link's rate is what crossed while the window did (the round less the
+link's round trip `rtt`), and a pack becomes what crosses at that rate in `ROUND_S` less the
+round trip, divided by the window. A round (the window's crossing plus the reply's round
+trip) then settles at `ROUND_S`, whatever the link, and a request queues behind at most
+about that. On a long link the round trip is much of a round, and the link idles through
+it: there a round may take up to `_WAIT_RTTS` round trips (twice `ROUND_S` at most), on a
+600 ms satellite link 3 s. When the window was not full but packs were cut to size
 (readings were left for the next one), the link could take more: packs double, up to
 `MAX_BYTES`. Packs start at `START_BYTES`.
 
@@ -88,7 +89,7 @@ class Pace:
     def _resize(self, acked: int, took: float, window: int) -> None:
         if self._full:
             self.rate = acked / _crossing(took, self.rtt)
-            size = self.rate * _wait(self.rtt) / max(window, 1)
+            size = self.rate * _crossing(_wait(self.rtt), self.rtt) / max(window, 1)
         elif self._cut:
             size = self.pack_bytes * 2
         else:
