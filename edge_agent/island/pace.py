@@ -46,7 +46,8 @@ _WAIT_RTTS = 5
 
 
 def _wait(rtt: float) -> float:
-    """How long a request may queue behind a window, on a link of round trip `rtt`."""
+    """How long a round may take on a link of round trip `rtt`: the packs' whole round, or
+    what a request may queue behind an unpacked window."""
     return min(max(ROUND_S, _WAIT_RTTS * rtt), 2 * ROUND_S)
 
 
