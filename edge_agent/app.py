@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import sqlite3
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import asdict
@@ -40,7 +39,7 @@ from edge_agent.commands.hubclock import HubClock
 from edge_agent.commands.ledger import Ledger
 from edge_agent.commands.resume import FastResume
 from edge_agent.core.config import Config
-from edge_agent.core.errors import OutboxError, ProtocolError
+from edge_agent.core.errors import OutboxError, ProtocolError, StateDBError
 from edge_agent.core.notify import Notifier
 from edge_agent.core.statedb import StateDB
 from edge_agent.island.compression import LinkCompression
@@ -330,7 +329,7 @@ class Agent:
             packer = asdict(self.packer.stats) if self.packer else None
             payload = heartbeat_payload(status, self._started, packer)
             await self.outbox.append(subject, payload, kind="heartbeat")
-        except OutboxError as exc:
+        except (OutboxError, StateDBError) as exc:  # the next heartbeat tries again
             log.warning("heartbeat_not_queued", error=str(exc))
             return
         log.info("heartbeat_queued", healthy=status.healthy, link_up=status.link.up)
@@ -370,7 +369,7 @@ class Agent:
         assert self.outbox is not None
         try:
             await asyncio.wait_for(self.outbox.stats(), 5.0)
-        except (sqlite3.Error, TimeoutError):
+        except (StateDBError, TimeoutError):
             return False
         # A dead child island is ours to restart; restarting the agent would not help.
         return self.island.child_mode or await self.island.monitor.healthy()

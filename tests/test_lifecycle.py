@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
+import sqlite3
 import tempfile
 import time
 from collections.abc import Iterator
@@ -170,5 +172,43 @@ async def test_a_slow_shutdown_fits_the_units_stop_timeout(hub: Hub, tmp_path: P
             code = await agent.terminate(timeout=budget + 5)
         assert code == 0
         assert time.monotonic() - started <= budget
+    finally:
+        agent.close()
+
+
+async def test_a_write_lock_held_past_the_busy_timeout_is_waited_out(
+    hub: Hub, tmp_path: Path
+) -> None:
+    """Another process holds the state file's write lock longer than SQLite's busy timeout
+    (a large ``edge-agent publish``, an SD card stalling an fsync): the agent keeps running,
+    a CLI publish fails with one line naming the file, and once the lock is let go the
+    heartbeats resume and the outbox drains."""
+    a = await hub.device("a", start=False, heartbeat_interval="1s")
+    config = write_agent_config(a, tmp_path / "agent.toml")
+    agent = AgentProcess(config, tmp_path / "agent.log").start()
+    try:
+        await agent.wait_event("heartbeat_queued")
+        holder = sqlite3.connect(a.config.agent.database, isolation_level=None)
+        try:
+            holder.execute("BEGIN IMMEDIATE")
+            cli = await asyncio.to_thread(
+                run_cli, "edge_agent", "-c", str(config), "publish", "evt.a.x", "{}"
+            )
+            await agent.wait_event("state_db_busy")
+            await agent.wait_event("heartbeat_not_queued")
+        finally:
+            holder.rollback()
+            holder.close()
+        assert cli.returncode == 1
+        assert str(a.config.agent.database) in cli.stderr and "locked" in cli.stderr
+        queued = len(agent.events("heartbeat_queued"))
+        await agent.wait_event("heartbeat_queued", count=queued + 2)
+
+        async def drained() -> bool:
+            status = await collect_status(a.config)
+            return status.outbox is not None and status.outbox.depth == 0
+
+        await eventually(drained, timeout=30, what="outbox drained")
+        assert agent.proc is not None and agent.proc.poll() is None
     finally:
         agent.close()

@@ -22,12 +22,14 @@ Once known, the fence is kept in the agent's SQLite file.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import nats.errors
 import structlog
 from nats.js import JetStreamContext
 from nats.js.errors import APIError
 
+from edge_agent.core.errors import StateDBBusy
 from edge_agent.core.statedb import FENCE_KEY, StateDB
 from edge_agent.island.link import LinkTracker
 from edge_agent.island.streams import incarnations
@@ -79,8 +81,9 @@ class CommandFence:
                 metadata = {}
             hub_fence = metadata.get(fence_key(incarnation)) if incarnation else None
             if hub_fence is not None:
-                await self._store(max(int(hub_fence), local))
-                return
+                with contextlib.suppress(StateDBBusy):  # stored on the next poll
+                    await self._store(max(int(hub_fence), local))
+                    return
             await asyncio.sleep(POLL_S)
 
     async def _store(self, value: int) -> None:

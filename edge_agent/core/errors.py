@@ -8,6 +8,8 @@
     └── EdgeAgentError
     ├── IslandError          the local nats-server could not be rendered, started or reached
     │   └── IslandUnavailable   down or restarting (also a MonitorUnavailable)
+    ├── StateDBError         the agent's SQLite file could not be opened, read or written
+    │   └── StateDBBusy      another process held its write lock past the busy timeout
     ├── OutboxError          the outbox could not take or hand on a message
     │   ├── TooLarge         larger than the island will ever take (CLI exit code 1)
     │   ├── OutboxFull       its byte budget is used up (CLI exit code 1)
@@ -37,6 +39,8 @@ __all__ = [
     "OutboxError",
     "OutboxFull",
     "ProtocolError",
+    "StateDBBusy",
+    "StateDBError",
     "StreamError",
     "TooLarge",
     "is_retriable",
@@ -69,6 +73,17 @@ class StoreDamaged(IslandUnavailable):
     def __init__(self, account: str, stream: str) -> None:
         super().__init__(f"island cannot recover stream {stream} (account {account})")
         self.account, self.stream = account, stream
+
+
+class StateDBError(EdgeAgentError):
+    """The agent's SQLite file (outbox and command ledger) could not be opened, read or written."""
+
+
+class StateDBBusy(StateDBError):
+    """Another process (``edge-agent publish``, a stalled fsync) held the file's write lock
+    past the busy timeout; the same write succeeds once it lets go."""
+
+    retriable = True
 
 
 class OutboxError(EdgeAgentError):

@@ -10,14 +10,20 @@ from __future__ import annotations
 import asyncio
 import secrets
 import sqlite3
-from collections.abc import AsyncIterator, Iterable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
 
 import aiosqlite
+import structlog
 
-from edge_agent.core.errors import OutboxError
+from edge_agent.core.errors import StateDBBusy, StateDBError
+
+log = structlog.get_logger(__name__)
+
+# How long a write waits for another process's write lock before it fails as `StateDBBusy`.
+BUSY_TIMEOUT_S = 10.0
 
 # `meta` key of the command fence (see `edge_agent.commands.fence`).
 FENCE_KEY = "command_fence"
@@ -85,18 +91,19 @@ class StateDB:
     async def open(cls, path: Path) -> StateDB:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            conn = await aiosqlite.connect(path, isolation_level=None, timeout=10.0)
+            conn = await aiosqlite.connect(path, isolation_level=None, timeout=BUSY_TIMEOUT_S)
         except (OSError, sqlite3.Error) as exc:
-            raise OutboxError(f"cannot open the agent database {path}: {exc}") from exc
+            raise StateDBError(f"cannot open the agent database {path}: {exc}") from exc
         try:
-            await conn.execute("PRAGMA journal_mode = WAL")
-            await conn.execute("PRAGMA synchronous = FULL")
-            await conn.executescript(SCHEMA)
-            await conn.execute(
-                "INSERT OR IGNORE INTO meta VALUES ('instance', ?)", (secrets.token_hex(4),)
-            )
-            async with conn.execute("SELECT value FROM meta WHERE key = 'instance'") as cur:
-                row = await cur.fetchone()
+            with _translated(path):
+                await conn.execute("PRAGMA journal_mode = WAL")
+                await conn.execute("PRAGMA synchronous = FULL")
+                await conn.executescript(SCHEMA)
+                await conn.execute(
+                    "INSERT OR IGNORE INTO meta VALUES ('instance', ?)", (secrets.token_hex(4),)
+                )
+                async with conn.execute("SELECT value FROM meta WHERE key = 'instance'") as cur:
+                    row = await cur.fetchone()
         except BaseException:
             await conn.close()
             raise
@@ -116,17 +123,36 @@ class StateDB:
     async def transaction(self) -> AsyncIterator[aiosqlite.Connection]:
         """``BEGIN IMMEDIATE`` … ``COMMIT``, rolled back on any exception."""
         async with self._lock:
-            await self.conn.execute("BEGIN IMMEDIATE")
-            try:
-                yield self.conn
-            except BaseException:
-                await self.conn.rollback()
-                raise
-            await self.conn.commit()
+            with _translated(self.path):
+                await self.conn.execute("BEGIN IMMEDIATE")
+                try:
+                    yield self.conn
+                except BaseException:
+                    await self.conn.rollback()
+                    raise
+                await self.conn.commit()
 
     async def fetchall(self, sql: str, params: Iterable[Any] = ()) -> list[sqlite3.Row]:
-        async with self._lock, self.conn.execute(sql, tuple(params)) as cur:
-            return list(await cur.fetchall())
+        async with self._lock:
+            with _translated(self.path):
+                async with self.conn.execute(sql, tuple(params)) as cur:
+                    return list(await cur.fetchall())
+
+
+@contextmanager
+def _translated(path: Path) -> Iterator[None]:
+    """SQLite's errors leave as the agent's own: a busy file is retriable, never a crash."""
+    try:
+        yield
+    except sqlite3.Error as exc:
+        code = getattr(exc, "sqlite_errorcode", 0) & 0xFF
+        if code in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
+            log.warning("state_db_busy", path=str(path), waited_s=BUSY_TIMEOUT_S)
+            raise StateDBBusy(
+                f"the agent database {path} is locked by another process's write "
+                f"(waited {BUSY_TIMEOUT_S:g} s)"
+            ) from exc
+        raise StateDBError(f"the agent database {path}: {exc}") from exc
 
 
 def open_readonly(path: Path) -> sqlite3.Connection | None:

@@ -15,10 +15,7 @@ from nats.js.api import PubAck
 from nats.js.errors import APIError
 from tenacity import AsyncRetrying, retry_if_exception, wait_exponential_jitter
 
-from edge_agent.core.errors import (
-    DrainBlocked,
-    is_retriable,
-)
+from edge_agent.core.errors import DrainBlocked, StateDBBusy, is_retriable
 from edge_agent.outbox.store import Outbox, Row
 
 log = structlog.get_logger(__name__)
@@ -115,7 +112,7 @@ class Drainer:
         while True:
             try:
                 await self.drain(deadline)
-            except DrainBlocked as exc:
+            except (DrainBlocked, StateDBBusy) as exc:
                 if time.monotonic() >= deadline:
                     log.warning("outbox_not_flushed", reason=str(exc))
                     return False

@@ -9,6 +9,7 @@ refused, reported, and not tried again until the hub wants another version.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from nats.aio.client import Client
 
 from edge_agent import __version__
 from edge_agent.core.config import Config
+from edge_agent.core.errors import StateDBBusy
 from edge_agent.island.link import LinkTracker
 from edge_agent.outbox.store import Outbox
 from edge_agent.protocol.files import read_json, write_json
@@ -44,7 +46,7 @@ log = structlog.get_logger(__name__)
 PROGRESS_EVERY_S = 10.0  # a "downloading" event at most this often
 # A version in one of these states is not tried again until the hub wants another.
 SETTLED = (UpdateState.REFUSED, UpdateState.FAILED, UpdateState.ROLLED_BACK)
-_TRANSIENT = (nats.errors.Error, TimeoutError, HubReadUnavailable)
+_TRANSIENT = (nats.errors.Error, TimeoutError, HubReadUnavailable, StateDBBusy)
 
 
 def update_paths(config: Config) -> UpdatePaths:
@@ -75,7 +77,8 @@ class Updater:
 
     async def run(self) -> None:
         self._paths.root.mkdir(parents=True, exist_ok=True)
-        await self._report_outcome()
+        with contextlib.suppress(StateDBBusy):  # kept in result.json for the next step
+            await self._report_outcome()
         if self._paths.staged.exists():  # staged before a crash or a power cut
             self._start_installer()
         while True:
