@@ -36,7 +36,7 @@ from tests.support.waiting import eventually
 SECRET_OWNER = "nobody"
 
 # A converge takes minutes on a loaded machine, and the first test may build the wheelhouse.
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.xdist_group("wheelhouse")]
 
 
 def _run(*args: str | Path, cwd: Path | None = None, timeout: float = 600) -> str:

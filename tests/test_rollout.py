@@ -37,7 +37,7 @@ from hub_ingest.fleet.releases import (
 from tests.support.cluster import Device, Hub, run_cli, write_agent_config
 from tests.support.waiting import eventually
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.xdist_group("wheelhouse")]
 
 
 def _fake_release(root: Path, version: str, size: int) -> Path:

@@ -27,7 +27,7 @@ from tests.support.ingest import ingest_config
 from tests.support.sparkcluster import SPARK_HOME, AppEvents, DriverRun, SparkCluster, spark_cluster
 from tests.support.waiting import RESUME_TIMEOUT, eventually
 
-pytestmark = [pytest.mark.spark, pytest.mark.slow]
+pytestmark = [pytest.mark.spark, pytest.mark.slow, pytest.mark.alone]
 
 READINGS = 300  # per device and run
 PARTITION = 40  # messages per partition: about 16 tasks a run, two at a time

@@ -27,7 +27,7 @@ from tests.support.supervisor import InstalledDevice, installed_device
 from tests.support.waiting import eventually
 
 BAD_VERSION = "9999.1.0"  # its agent exits at once: it can never pass the health gate
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.xdist_group("wheelhouse")]
 
 
 @pytest.fixture(scope="module")
