@@ -50,6 +50,7 @@ from edge_agent.island.streams import reconcile
 from edge_agent.island.windows import Windows
 from edge_agent.outbox.drain import Drainer
 from edge_agent.outbox.store import Outbox
+from edge_agent.protocol.errors import StoreTrouble
 from edge_agent.protocol.files import write_json
 from edge_agent.protocol.monitor import LeafRtt
 from edge_agent.protocol.names import EVENTS, OUTBOUND, TELEMETRY, command_stream, inbox_prefix
@@ -280,7 +281,9 @@ class Agent:
             await self._reconcile_needed.wait()
             self._reconcile_needed.clear()
             retrying = AsyncRetrying(
-                retry=retry_if_exception_type((APIError, nats.errors.Error, OSError, TimeoutError)),
+                retry=retry_if_exception_type(
+                    (APIError, nats.errors.Error, OSError, TimeoutError, StoreTrouble)
+                ),
                 wait=wait_exponential_jitter(multiplier=0.2, jitter=0.2, max=10.0),
                 reraise=True,
             )

@@ -7,10 +7,16 @@ import asyncio
 import contextlib
 import json
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+from edge_agent.core.config import StreamBudget
+from edge_agent.island.streams import reconcile
 from edge_agent.outbox.store import Outbox
+from edge_agent.protocol.errors import StoreTrouble
 from edge_agent.status.health import collect_status
 from hub_ingest.fleet.registry import Registry
 from hub_ingest.report.collect import collect_report
@@ -124,6 +130,29 @@ async def test_full_island_store_holds_rows_in_the_outbox_until_space_returns(
         assert a.agent.island.restarts >= 1
         notes = await a.js.stream_info("EVENTS", subjects_filter="evt.full.note")
         assert notes.state.subjects == {"evt.full.note": NOTES}
+    finally:
+        for device in hub.devices:
+            await device.stop()
+        subprocess.run(["umount", str(store)], check=True)
+
+
+async def test_streams_the_full_island_cannot_write_are_retried_not_fatal(hub: Hub) -> None:
+    """Reconciling the island's streams on a full disk (a link that comes up after the disk
+    filled): the refusal is the island's trouble, retried until space returns, not a bad
+    stream configuration that would end the agent."""
+    store = hub.root / "a" / "jetstream"
+    store.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(store)], check=True)
+    try:
+        a = await hub.device("a")
+        with (store / "ballast").open("wb") as fill, contextlib.suppress(OSError):
+            while True:
+                fill.write(b"\0" * 65536)
+                fill.flush()
+        budget = StreamBudget(max_bytes=8 * 1024**2, max_age=3600.0)
+        smaller = replace(a.config, streams=replace(a.config.streams, telemetry=budget))
+        with pytest.raises(StoreTrouble, match="no space left"):
+            await reconcile(a.js, smaller)
     finally:
         for device in hub.devices:
             await device.stop()

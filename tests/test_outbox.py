@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sqlite3
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -132,6 +133,32 @@ async def test_full_outbox_refuses_with_the_budget_in_the_message(tmp_path: Path
     assert "outbox full" in full.stderr and "outbox.max_bytes" in full.stderr
     bad = run_cli("edge_agent", "-c", str(config), "publish", "cmd.d.ping", "x")
     assert bad.returncode == 2 and "tele. or evt." in bad.stderr
+
+
+async def test_a_transaction_cancelled_while_it_waits_to_begin_leaves_none_open(
+    tmp_path: Path,
+) -> None:
+    """A writer cancelled while its BEGIN waits for another process's write lock (a shutdown,
+    a timeout): once the lock is let go, the BEGIN that ran on in aiosqlite's thread is ended,
+    and the next transaction on the same connection begins and commits."""
+    async with await StateDB.open(tmp_path / "state.sqlite3") as db:
+        outbox = Outbox(db, 1 << 20)
+        holder = sqlite3.connect(db.path, isolation_level=None)
+        holder.execute("BEGIN IMMEDIATE")
+        waiting = asyncio.create_task(outbox.append("evt.a.x", b"cancelled"))
+        await eventually(lambda: _begin_queued(db), timeout=5, what="the append's BEGIN queued")
+        waiting.cancel()
+        holder.rollback()
+        holder.close()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        await outbox.append("evt.a.x", b"after")
+        assert [row.data for row in await outbox.batch(10, 0)] == [b"after"]
+
+
+async def _begin_queued(db: StateDB) -> bool:
+    """A writer holds the connection's lock: its BEGIN is in aiosqlite's thread."""
+    return db._lock.locked()
 
 
 async def test_message_ids_are_unique_across_recreated_files(tmp_path: Path) -> None:

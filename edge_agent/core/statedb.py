@@ -8,6 +8,7 @@ drains. ``synchronous = FULL``: a ledger row lost to a power cut could run a com
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 import sqlite3
 from collections.abc import AsyncIterator, Iterable, Iterator
@@ -124,7 +125,14 @@ class StateDB:
         """``BEGIN IMMEDIATE`` … ``COMMIT``, rolled back on any exception."""
         async with self._lock:
             with _translated(self.path):
-                await self.conn.execute("BEGIN IMMEDIATE")
+                try:
+                    await self.conn.execute("BEGIN IMMEDIATE")
+                except asyncio.CancelledError:
+                    # aiosqlite's thread runs the BEGIN all the same: queue its end (FIFO, after
+                    # it) before the lock lets another transaction begin on this connection.
+                    with contextlib.suppress(sqlite3.Error):
+                        await self.conn.rollback()
+                    raise
                 try:
                     yield self.conn
                 except BaseException:

@@ -61,6 +61,7 @@ from edge_agent.protocol.reconcile import (
     Reconciled,
     mirror_consumer,
     reconcile_stream,
+    stream_error,
 )
 
 log = structlog.get_logger(__name__)
@@ -280,7 +281,7 @@ async def reconcile(js: JetStreamContext, config: Config) -> list[Reconciled]:
         for name, incarnation in chosen.items():
             await js.add_consumer(name, hub_consumer_config(config, name, incarnation, packed))
     except APIError as exc:
-        raise StreamError(f"island streams: {exc.description} (code {exc.err_code})") from exc
+        raise stream_error("island streams", exc) from exc
     for result in results:
         if result.change != "unchanged":
             log.info(

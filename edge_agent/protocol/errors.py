@@ -3,6 +3,7 @@
 ProtocolError
 ├── ConfigError          bad or missing configuration: names the key (CLI exit code 2)
 ├── StreamError          a server refused a stream configuration
+│   └── StoreTrouble     it could not write it (a full disk, no room under its limits; retriable)
 └── MonitorUnavailable   a nats-server's monitoring endpoint does not answer (retriable)
 """
 
@@ -26,6 +27,13 @@ class ConfigError(ProtocolError):
 
 class StreamError(ProtocolError):
     """A stream could not be created or updated as configured."""
+
+
+class StoreTrouble(StreamError):
+    """The server could not write a stream or consumer (a full disk, no room left under its
+    JetStream limits): the same request succeeds once space returns or it is restarted."""
+
+    retriable = True
 
 
 class MonitorUnavailable(ProtocolError):

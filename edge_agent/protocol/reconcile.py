@@ -12,7 +12,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, StreamConfig
 from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
 from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_exponential_jitter
 
-from edge_agent.protocol.errors import StreamError
+from edge_agent.protocol.errors import StoreTrouble, StreamError
 
 Change = Literal["created", "updated", "recreated", "unchanged"]
 
@@ -97,7 +97,22 @@ async def reconcile_stream(
     try:
         return await _reconcile(js, want, want.name, have)
     except APIError as exc:
-        raise StreamError(f"stream {want.name}: {exc.description} (code {exc.err_code})") from exc
+        raise stream_error(f"stream {want.name}", exc) from exc
+
+
+# nats-server's codes for a store out of room, and the OS's words for a write that failed
+# under a generic code ("stream update: {err}", "consumer create: {err}").
+_STORE_CODES = frozenset({10023, 10028, 10047, 10077})
+_WRITE_FAILURES = ("no space left on device", "input/output error", "read-only file system")
+
+
+def stream_error(what: str, exc: APIError) -> StreamError:
+    """`exc` as the StreamError it is: `StoreTrouble` when the server could not write."""
+    problem = f"{what}: {exc.description} (code {exc.err_code})"
+    description = (exc.description or "").lower()
+    if exc.err_code in _STORE_CODES or any(words in description for words in _WRITE_FAILURES):
+        return StoreTrouble(problem)
+    return StreamError(problem)
 
 
 @retry(
