@@ -285,6 +285,10 @@ class Agent:
                     (APIError, nats.errors.Error, OSError, TimeoutError, StoreTrouble)
                 ),
                 wait=wait_exponential_jitter(multiplier=0.2, jitter=0.2, max=10.0),
+                before_sleep=lambda state: log.warning(
+                    "island_streams_retry",
+                    error=repr(state.outcome.exception()) if state.outcome else None,
+                ),
                 reraise=True,
             )
             async for attempt in retrying:

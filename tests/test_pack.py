@@ -16,7 +16,7 @@ import pytest
 from nats.js.api import RawStreamMsg
 from pyspark.sql import SparkSession
 
-from edge_agent.island.streams import incarnations
+from edge_agent.island.streams import incarnations, packs_budget, reconcile
 from edge_agent.protocol.names import hub_consumer
 from edge_agent.protocol.pack import (
     PACK_HEADER,
@@ -193,6 +193,24 @@ async def test_the_packer_neither_repeats_nor_skips_across_agent_restarts(hub: H
     await device.start()
     await eventually(partial(_packed_on_island, device, 3000), timeout=RESUME_TIMEOUT + 60)
     assert packed_seqs(await stream_messages(device.js, "TELEMETRY")) == list(range(1, 3001))
+
+
+async def test_readings_waiting_offline_get_most_of_the_telemetry_budget(hub: Hub) -> None:
+    """Nothing is packed while the link is down, so READINGS is a packing device's offline
+    buffer: it takes the budget but the packs' share, and an island made with the earlier
+    half-and-half split (its store reserving both) is brought to it in place."""
+    device = await hub.device("p3", sections=PACKED)
+    budget = device.config.streams.telemetry.max_bytes
+    packs = packs_budget(budget, device.config.island.max_payload)
+    assert budget // 10 <= packs < budget // 2
+    for stream in ("READINGS", "TELEMETRY"):  # as an island of the earlier release made them
+        info = await device.js.stream_info(stream)
+        await device.js.update_stream(replace(info.config, max_bytes=budget // 2))
+    await reconcile(device.js, device.config)
+    sizes = {
+        s: (await device.js.stream_info(s)).config.max_bytes for s in ("TELEMETRY", "READINGS")
+    }
+    assert sizes == {"TELEMETRY": packs, "READINGS": budget - packs}
 
 
 async def test_packs_stay_within_a_small_island_max_payload(hub: Hub) -> None:

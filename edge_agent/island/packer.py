@@ -31,7 +31,7 @@ from nats.js.api import DEFAULT_PREFIX, AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import APIError, NotFoundError
 
 from edge_agent.island.pace import Pace
-from edge_agent.island.streams import incarnation_of, last_packed
+from edge_agent.island.streams import PACK_LEAD, incarnation_of, last_packed
 from edge_agent.protocol.monitor import LeafRtt
 from edge_agent.protocol.names import TELEMETRY, hub_consumer
 from edge_agent.protocol.pack import (
@@ -44,10 +44,7 @@ from edge_agent.protocol.pack import (
 log = structlog.get_logger(__name__)
 
 PACK_READINGS = 1024  # at most, per pack (its bytes: `edge_agent.island.pace`)
-# Packs made ahead of what the hub's mirror has been sent. With 4 the drain waited on the
-# packer's polls at every flow-control round trip; 16 sends half a window of 32
-# (`edge_agent.island.streams.PACK_WINDOW`) at once, and the rest is packed while it crosses.
-LEAD = 16
+LEAD = PACK_LEAD  # packs made ahead of what the hub's mirror has been sent
 IDLE_S = 0.2  # the longest a reading waits for the packer when nothing is queued
 # How often the hub's progress is checked: while it moves, at most, while a round crosses
 # (`edge_agent.island.pace` times it), and while it has not moved for `_STILL_S`.

@@ -4,9 +4,10 @@
   own byte budget. JetStream reserves a stream's ``max_bytes`` in the store, so telemetry
   pressure can never evict events or results: it only drops the oldest telemetry.
 - With ``hub.pack``, apps' ``tele.>`` goes to ``READINGS`` instead, and ``TELEMETRY`` holds
-  packs of its readings (``pack.tele``, made by `edge_agent.island.packer`), half of the
-  telemetry budget each. Whether an island packs is fixed when its ``TELEMETRY`` is made: an
-  existing stream keeps what it holds, whatever the configuration says now.
+  packs of its readings (``pack.tele``, made by `edge_agent.island.packer`); ``READINGS``,
+  the offline buffer, takes most of the telemetry budget (`packs_budget`). Whether an
+  island packs is fixed when its ``TELEMETRY`` is made: an existing stream keeps what it
+  holds, whatever the configuration says now.
 - ``COMMANDS``: a mirror of the hub's ``CMD_<device_id>`` (the device's slice of the hub's
   ``COMMANDS``: ``cmd.<device_id>.>`` and ``cmd.all.>``) through ``$JS.<hub-domain>.API``, so
   commands keep arriving into local storage and stay readable while the link is down. The
@@ -97,10 +98,27 @@ def _telemetry(
     budget = config.streams.telemetry
     if not packed:
         return [_outbound(TELEMETRY, "tele.>", budget, incarnation)]
-    half = StreamBudget(budget.max_bytes // 2, budget.max_age)
-    readings = _outbound(READINGS, "tele.>", half, None)
+    packs = packs_budget(budget.max_bytes, config.island.max_payload)
+    rest = StreamBudget(budget.max_bytes - packs, budget.max_age)
+    readings = _outbound(READINGS, "tele.>", rest, None)
     readings.first_seq = readings_from
-    return [readings, _outbound(TELEMETRY, PACK_SUBJECT, half, incarnation)]
+    packed_budget = StreamBudget(packs, budget.max_age)
+    # The packs first: the store reserves each stream's max_bytes, so a share that shrinks
+    # must free its bytes before the other grows into them.
+    return [_outbound(TELEMETRY, PACK_SUBJECT, packed_budget, incarnation), readings]
+
+
+def packs_budget(telemetry_bytes: int, max_payload: int) -> int:
+    """``TELEMETRY``'s bytes on an island that packs: a tenth of the telemetry budget, never
+    less than every pack that can be on its way to the hub at once (the mirror's window and
+    the packer's lead, each as large as a message may be), at most half.
+
+    While the link is down nothing is packed: ``READINGS``, the rest, is what a device offline
+    keeps (half the budget before 2026-11-27). Packs the hub already holds are kept only for a
+    refill of a range its mirror skipped, which the hub's watcher finds within seconds of the
+    link returning (docs/gaps.md)."""
+    in_flight = (PACK_WINDOW + PACK_LEAD) * max_payload
+    return min(max(telemetry_bytes // 10, in_flight), telemetry_bytes // 2)
 
 
 async def last_packed(js: JetStreamContext, telemetry: StreamInfo) -> int | None:
@@ -174,6 +192,11 @@ UNCOMPRESSED_START_WINDOW = 150
 # 17.7 s, 24 13.0 s, 32 11.3 s (bench/slow_link.py --pack), and on 256 kbit/s a new
 # device's fence waited behind 32 packs until the backlog was gone.
 PACK_WINDOW = 32
+# Packs the packer makes ahead of what the hub's mirror has been sent
+# (`edge_agent.island.packer`). With 4 the drain waited on the packer's polls at every
+# flow-control round trip; 16 sends half a window of 32 at once, and the rest is packed while
+# it crosses.
+PACK_LEAD = 16
 UNCOMPRESSED_PACK_WINDOW = 6
 
 
