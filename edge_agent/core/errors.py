@@ -1,9 +1,11 @@
 """Exceptions raised by the edge agent, on top of the shared protocol's
-(`edge_agent.protocol.errors`: `ConfigError`, `StreamError`, `MonitorUnavailable`).
+(`edge_agent.protocol.errors`: `ConfigError`, `StreamError`, `StoreTrouble`,
+`MonitorUnavailable`).
 
     ProtocolError
     ├── ConfigError          bad or missing configuration (CLI exit code 2)
     ├── StreamError          the island refused a stream configuration
+    │   └── StoreTrouble     it could not write it (a full disk; retried)
     ├── MonitorUnavailable   a monitoring endpoint does not answer
     └── EdgeAgentError
     ├── IslandError          the local nats-server could not be rendered, started or reached
