@@ -42,7 +42,7 @@ demo: venv
 demo-stop: venv
 	$(BIN)/python -m hub_ingest.local.fleet stop demo-state
 
-# The suite runs on two workers: it mostly waits on servers (47 → 27 minutes on two cores).
+# The suite runs on two workers: it mostly waits on servers (47 → 30-35 minutes on two cores).
 # The tests that build this tree's wheels share a group: one worker builds in the source tree.
 # Those marked `alone` (a Spark standalone cluster: five JVMs) run after, one at a time: beside
 # a busy neighbour their own deadlines ran out.
