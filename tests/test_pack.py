@@ -179,7 +179,7 @@ async def test_the_packer_neither_repeats_nor_skips_across_agent_restarts(hub: H
     device = await hub.device("p2", register_when_ready=True, sections=PACKED)
     device.proxy.cut()
     await device.wait_link(up=False)
-    await _publish(device, 0, 3000, noise=200)  # 3000 * 215 bytes: more than LEAD packs hold
+    await _publish(device, 0, 3000, noise=200)  # 3000 * 215 bytes: more than PACK_LEAD packs hold
     for _ in range(2):
         await device.stop()
         await device.start()

@@ -1,7 +1,7 @@
 """The packer: the island's ``READINGS`` packed into ``TELEMETRY``, what the hub mirrors.
 
 It packs what the link is about to carry, not what arrives: while the hub's mirror has more
-than `LEAD` packs still to take (the link is down or full), it waits, and the readings wait
+than `PACK_LEAD` packs still to take (the link is down or full), it waits, and the readings wait
 in ``READINGS``; when the link drains them it packs the backlog in packs as large as the
 link's pace allows (`edge_agent.island.pace`, from the hub's acknowledgements it polls
 here). Over an idle link a reading crosses alone within `IDLE_S`.
@@ -44,7 +44,6 @@ from edge_agent.protocol.pack import (
 log = structlog.get_logger(__name__)
 
 PACK_READINGS = 1024  # at most, per pack (its bytes: `edge_agent.island.pace`)
-LEAD = PACK_LEAD  # packs made ahead of what the hub's mirror has been sent
 IDLE_S = 0.2  # the longest a reading waits for the packer when nothing is queued
 # How often the hub's progress is checked: while it moves, at most, while a round crosses
 # (`edge_agent.island.pace` times it), and while it has not moved for `_STILL_S`.
@@ -106,14 +105,14 @@ class Packer:
         return max((await self.js.stream_info(READINGS)).state.first_seq - 1, 0)
 
     async def _await_room(self, consumer: str) -> None:
-        """Until the hub's mirror has at most `LEAD` packs left to take; asked often while
+        """Until the hub's mirror has at most `PACK_LEAD` packs left to take; asked often while
         it takes them, less and less often while it does not (a link down for hours)."""
         poll, before, still = _POLL_S[0], None, time.monotonic()
         while True:
             try:
                 info = await self.js.consumer_info(TELEMETRY, consumer)
             except NotFoundError:
-                pending = LEAD + 1  # not made yet: the reconcile is on its way
+                pending = PACK_LEAD + 1  # not made yet: the reconcile is on its way
             else:
                 pending = info.num_pending
                 window = info.config.max_ack_pending or 1
@@ -121,7 +120,7 @@ class Packer:
                 self.pace.rtt = await self.rtt.read()
                 self.pace.observe(floor, in_flight, window, time.monotonic())
                 self.stats.pack_bytes = self.pace.pack_bytes
-            if pending <= LEAD:
+            if pending <= PACK_LEAD:
                 return
             if pending != before:
                 poll, before, still = _POLL_S[0], pending, time.monotonic()
