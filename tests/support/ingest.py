@@ -7,11 +7,14 @@ import dataclasses
 from typing import Any
 
 import pyarrow as pa
+from nats.js import JetStreamContext
 from pyspark.sql import SparkSession
 
+from edge_agent.protocol.pack import PACK_HEADER, PACK_SUBJECT, decode
 from hub_ingest.archive import table
 from hub_ingest.core.config import HubConfig
 from hub_ingest.ingest.job import IngestSummary, ingest
+from hub_ingest.local.fleet import stream_messages
 from tests.support.cluster import Hub
 
 
@@ -36,7 +39,17 @@ def telemetry(config: HubConfig) -> pa.Table:
 
 
 async def aggregate_has(hub: Hub, stream: str, count: int) -> bool:
-    return (await hub.js.stream_info(stream)).state.messages >= count
+    """Whether `stream` holds at least `count` readings, packed (`hub.pack`) or not."""
+    return await readings_held(hub.js, stream) >= count
+
+
+async def readings_held(js: JetStreamContext, stream: str) -> int:
+    """The readings `stream` holds: one a message, and a pack's (`hub.pack`) for each pack."""
+    info = await js.stream_info(stream, subjects_filter=f"*.*.{PACK_SUBJECT}")
+    if not info.state.subjects:
+        return info.state.messages
+    msgs = await stream_messages(js, stream)
+    return sum(len(decode(m.data or b"")) if PACK_HEADER in (m.headers or {}) else 1 for m in msgs)
 
 
 def row_count(config: HubConfig) -> int:
