@@ -3,6 +3,7 @@ devices linked to it."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -10,11 +11,20 @@ import pytest
 from pyspark.sql import SparkSession
 
 from hub_ingest.ingest.job import spark_session
+from hub_ingest.local.fleet import share_ports
 from tests.support.certs import Authority
 from tests.support.cluster import Hub, start_hub
 from tests.support.hubcluster import ClusterHub, start_cluster_hub
 from tests.support.leaks import EXIT_GRACE_S, kill, still_running_after
 from tests.support.releases import NEXT_VERSION, build_wheelhouse, release_wheel
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Parallel workers (pytest-xdist) pick ports from disjoint shares: a port one worker's
+    server has not bound yet, or lets go of while it restarts, is never another's."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker is not None:
+        share_ports(int(worker.removeprefix("gw")), int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
 
 
 @pytest.fixture(autouse=True)

@@ -13,13 +13,16 @@ import sys
 from pathlib import Path
 
 import nats
+import structlog.testing
 
 from edge_agent.app import Agent
 from edge_agent.island.server import pid_file
+from edge_agent.protocol.monitor import Monitor
 from edge_agent.status.health import collect_status
 from tests.support.cluster import (
     NATS_SERVER,
     Hub,
+    free_port,
     run_cli,
     stream_messages,
     write_agent_config,
@@ -130,6 +133,39 @@ async def test_island_that_cannot_start_is_retried_until_it_can(hub: Hub) -> Non
     finally:
         blocker.close()
     await eventually(lambda: _is_set(agent.ready), timeout=60, what="agent ready after retry")
+    agent.shutdown.set()
+    await task
+
+
+async def test_a_neighbour_on_the_island_monitor_port_is_never_taken_for_the_island(
+    hub: Hub,
+) -> None:
+    """Another nats-server answering on the island's monitor port (a neighbour on the device,
+    or one that took the port while the island was down) is refused with its name, not
+    adopted; the agent comes up on its own island once the port is free."""
+    a = await hub.device("a")
+    await a.stop()
+    argv = [NATS_SERVER, "-a", "127.0.0.1", "-p", str(free_port()), "--name", "neighbour"]
+    argv += ["-m", str(a.config.island.monitor_listen.port)]
+    neighbour = subprocess.Popen(argv, stderr=subprocess.DEVNULL)
+    try:
+        await eventually(Monitor(a.config.island.monitor_url).healthy, timeout=30)
+        with structlog.testing.capture_logs() as logs:
+            agent = Agent(a.config)
+            task = asyncio.create_task(agent.run())
+
+            async def refused() -> bool:
+                errors = [e.get("error", "") for e in logs if e["event"] == "island_unavailable"]
+                return sum("'neighbour'" in e for e in errors) >= 2
+
+            await eventually(refused, timeout=30, what="the neighbour refused twice")
+        assert not agent.island.up.is_set() and not agent.ready.is_set()
+        assert neighbour.poll() is None  # left alone: never signalled as if it were the island
+    finally:
+        neighbour.kill()
+        neighbour.wait()
+    await eventually(lambda: _is_set(agent.ready), timeout=60, what="agent ready on its island")
+    assert (await agent.island.monitor.get("/varz"))["server_name"] == a.config.island.server_name
     agent.shutdown.set()
     await task
 

@@ -305,8 +305,10 @@ class Island:
         if await self.monitor.healthy():
             # Already running: external mode, or a child adopted after an agent crash, which
             # may have come before its link was opened.
-            if self.child_mode and (pid := self._adopted_pid()) is not None:
-                await open_link(self.config, pid)
+            if self.child_mode:
+                await self._check_ours()
+                if (pid := self._adopted_pid()) is not None:
+                    await open_link(self.config, pid)
             return
         if not self.child_mode:
             raise IslandUnavailable(f"island at {self.monitor.base_url} is not healthy")
@@ -314,6 +316,7 @@ class Island:
         await self._start_child()
         try:
             await wait_healthy(self.monitor, self._start_timeout, self._proc)
+            await self._check_ours()
             assert self._proc is not None
             await open_link(self.config, self._proc.pid)
         except StoreDamaged as exc:
@@ -323,6 +326,18 @@ class Island:
         except IslandError:
             await self._stop_child()
             raise
+
+    async def _check_ours(self) -> None:
+        """Refuse a healthy monitor port that is another nats-server's (a neighbour on the
+        device, or one that took the port while the island was down): adopting it would point
+        the agent at a server that is not its island, and it would wait there for ever."""
+        name = (await self.monitor.get("/varz")).get("server_name")
+        expected = self.config.island.server_name
+        if name != expected:
+            raise IslandUnavailable(
+                f"{self.monitor.base_url} answers as nats-server {name!r}, not as this "
+                f"island ({expected!r}): another server holds the island's monitor port"
+            )
 
     def _set_aside(self, account: str, stream: str) -> None:
         """Move a stream nats-server cannot recover out of the store, so that the island

@@ -48,6 +48,15 @@ FLEET_FILE = "fleet.json"  # the pids of a running fleet, for `stop`
 
 
 _HANDED_OUT: set[int] = set()
+# [index, count]: this process hands out ports p with p // 64 % count == index (blocks, not
+# parity: Linux gives bind() odd ports only, as long as it has some).
+_PORT_SHARE = [0, 1]
+
+
+def share_ports(index: int, count: int) -> None:
+    """Hand out only every `count`-th port from now on, so that `count` processes picking
+    ports side by side (parallel test workers) never pick one another's."""
+    _PORT_SHARE[:] = [index, count]
 
 
 def free_port() -> int:
@@ -57,11 +66,12 @@ def free_port() -> int:
     again before the server it was meant for has bound it (seen: two islands of one test got
     one monitor port, and the second agent took the first's island for its own).
     """
+    index, count = _PORT_SHARE
     while True:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port: int = sock.getsockname()[1]
-        if port not in _HANDED_OUT:
+        if port // 64 % count == index and port not in _HANDED_OUT:
             _HANDED_OUT.add(port)
             return port
 

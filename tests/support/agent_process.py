@@ -52,7 +52,11 @@ class AgentProcess:
             assert self.proc is not None and self.proc.poll() is None, "agent exited"
             return len(self.events(name)) >= count
 
-        await eventually(probe, timeout=timeout, what=f"{count} x {name} in {self.log_path}")
+        try:
+            await eventually(probe, timeout=timeout, what=f"{count} x {name} in {self.log_path}")
+        except AssertionError as exc:
+            tail = self.log_path.read_text(errors="replace").splitlines()[-20:]
+            raise AssertionError("\n".join([str(exc), "the log ends:", *tail])) from exc
 
     def kill(self) -> None:
         """SIGKILL the whole process group: agent, island and any running handler."""
