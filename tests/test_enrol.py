@@ -16,7 +16,7 @@ import pytest
 from nats.js.api import KeyValueConfig
 
 from hub_ingest.core import failpoints
-from hub_ingest.core.connect import hub_connection
+from hub_ingest.core.connect import hub_connection, hub_jetstream
 from hub_ingest.core.errors import EnrolmentError
 from hub_ingest.fleet.auth import new_seed, public_key
 from hub_ingest.fleet.enrol import Enrolment, parse_line, read_enrolments, valid_public_key
@@ -249,3 +249,24 @@ async def test_the_registry_lists_each_device_once_as_it_is_now(hub: Hub) -> Non
     await hub.js.create_key_value(KeyValueConfig(bucket=BUCKET, history=5))
     await registry.create(Device("fresh", "edge-fresh", 0, "2026-11-26T03:00:00Z", key))
     assert [d.device_id for d in await registry.list()] == ["fresh"]
+
+
+async def test_a_hub_that_answers_late_delays_the_tools_rather_than_failing_them(
+    hub: Hub,
+) -> None:
+    """A JetStream request a stalled hub answers after 8 s (a busy cluster: an election, a
+    node catching up) is waited for; nats-py's own 5 s would fail `device add` as if the hub
+    were unreachable."""
+    assert hub.server.proc is not None
+    pid = hub.server.proc.pid
+    async with hub_connection(hub.config) as nc:
+        js = hub_jetstream(nc, hub.config)
+        await js.stream_info("COMMANDS")
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            asked = asyncio.create_task(js.stream_info("COMMANDS"))
+            await asyncio.sleep(8)  # the stall's length, longer than nats-py's 5 s
+            assert not asked.done(), asked
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert (await asked).config.name == "COMMANDS"

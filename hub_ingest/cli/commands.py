@@ -21,7 +21,7 @@ from hub_ingest.commands.send import (
     send,
 )
 from hub_ingest.core.config import HubConfig
-from hub_ingest.core.connect import hub_connection
+from hub_ingest.core.connect import hub_connection, hub_jetstream
 from hub_ingest.fleet.registry import Registry
 
 DEFAULT_WAIT = 60.0
@@ -80,7 +80,7 @@ def register(sub: Any) -> None:
 
 async def _send(config: HubConfig, args: argparse.Namespace) -> int:
     async with hub_connection(config) as nc:
-        js = nc.jetstream(domain=config.nats.domain)
+        js = hub_jetstream(nc, config)
         registry = await Registry.open(js)
         devices = await registry.list() if args.all else [await registry.get(args.device)]
         envelope = new_envelope(
@@ -121,7 +121,7 @@ async def _send(config: HubConfig, args: argparse.Namespace) -> int:
 
 async def _status(config: HubConfig, args: argparse.Namespace) -> int:
     async with hub_connection(config) as nc:
-        js = nc.jetstream(domain=config.nats.domain)
+        js = hub_jetstream(nc, config)
         devices = await (await Registry.open(js)).list()
         status = await command_status(js, args.command_id, devices, replicas=config.replicas)
     code = outcome_code(status.per_device().values())

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from hub_ingest.cli.args import device_id
 from hub_ingest.cli.provision import ADOPT_HELP
 from hub_ingest.core.config import HubConfig
-from hub_ingest.core.connect import hub_connection
+from hub_ingest.core.connect import hub_connection, hub_jetstream
 from hub_ingest.core.errors import HubIngestError
 from hub_ingest.fleet.enrol import (
     BulkChange,
@@ -70,7 +70,7 @@ def register(sub: Any) -> None:
 
 async def _device(config: HubConfig, args: argparse.Namespace) -> int:
     async with hub_connection(config) as nc:
-        js = nc.jetstream(domain=config.nats.domain)
+        js = hub_jetstream(nc, config)
         registry = await Registry.open(js)
         if args.action == "list":
             devices = await registry.list()

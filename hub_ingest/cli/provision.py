@@ -19,7 +19,7 @@ from edge_agent.protocol.logs import LOG_LEVELS
 from edge_agent.protocol.monitor import Monitor
 from edge_agent.protocol.natsserver import check_version, resolve_nats_server
 from hub_ingest.core.config import HubConfig
-from hub_ingest.core.connect import hub_connection
+from hub_ingest.core.connect import hub_connection, hub_jetstream
 from hub_ingest.core.errors import ConfigError
 from hub_ingest.fleet.auth import sync_users, write_auth
 from hub_ingest.fleet.provision import provision
@@ -78,7 +78,7 @@ def register(sub: Any) -> None:
 
 async def _provision(config: HubConfig, adopt: bool) -> int:
     async with hub_connection(config) as nc:
-        js = nc.jetstream(domain=config.nats.domain)
+        js = hub_jetstream(nc, config)
         registry = await Registry.open(js)
         for result in await provision(js, config, await registry.list(), adopt=adopt):
             print(f"{result.name:<24} {result.change}")
@@ -95,7 +95,7 @@ async def _watch(config: HubConfig) -> int:
         loop.add_signal_handler(sig, stop.set)
     monitor = Monitor(monitor_url(config.server))
     async with hub_connection(config, name="hub-ingest-watch") as nc:
-        js = nc.jetstream(domain=config.nats.domain)
+        js = hub_jetstream(nc, config)
         async with asyncio.TaskGroup() as tasks:
             tasks.create_task(watch(js, nc, config, monitor, stop))
             if config.cluster is not None:

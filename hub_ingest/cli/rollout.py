@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from hub_ingest.core.config import HubConfig
-from hub_ingest.core.connect import hub_connection
+from hub_ingest.core.connect import hub_connection, hub_jetstream
 from hub_ingest.fleet import rollout
 from hub_ingest.fleet.releases import list_records, new_release_key, publish
 
@@ -69,7 +69,7 @@ def _keygen(config: HubConfig, args: argparse.Namespace) -> int:
 
 async def _publish(config: HubConfig, args: argparse.Namespace) -> int:
     async with hub_connection(config) as nc:
-        js = nc.jetstream(domain=config.nats.domain)
+        js = hub_jetstream(nc, config)
         record = await publish(js, config, args.source, args.version, args.key)
     if args.json:
         print(json.dumps(asdict(record), indent=2))
@@ -80,7 +80,7 @@ async def _publish(config: HubConfig, args: argparse.Namespace) -> int:
 
 async def _list(config: HubConfig, args: argparse.Namespace) -> int:
     async with hub_connection(config) as nc:
-        records = await list_records(nc.jetstream(domain=config.nats.domain), config)
+        records = await list_records(hub_jetstream(nc, config), config)
     if args.json:
         print(json.dumps([asdict(r) for r in records], indent=2))
     for record in [] if args.json else records:
@@ -91,7 +91,7 @@ async def _list(config: HubConfig, args: argparse.Namespace) -> int:
 async def _start(config: HubConfig, args: argparse.Namespace) -> int:
     async with hub_connection(config) as nc:
         started = await rollout.start(
-            nc.jetstream(domain=config.nats.domain),
+            hub_jetstream(nc, config),
             config,
             args.version,
             canary=args.canary,
@@ -105,7 +105,7 @@ async def _start(config: HubConfig, args: argparse.Namespace) -> int:
 
 async def _status(config: HubConfig, args: argparse.Namespace) -> int:
     async with hub_connection(config) as nc:
-        plan, reports = await rollout.status(nc.jetstream(domain=config.nats.domain), config)
+        plan, reports = await rollout.status(hub_jetstream(nc, config), config)
     if args.json:
         doc = {"rollout": asdict(plan), "devices": [asdict(r) for r in reports]}
         print(json.dumps(doc, indent=2))
@@ -124,6 +124,6 @@ async def _status(config: HubConfig, args: argparse.Namespace) -> int:
 
 async def _change(config: HubConfig, action: str) -> int:
     async with hub_connection(config) as nc:
-        changed = await rollout.change(nc.jetstream(domain=config.nats.domain), config, action)
+        changed = await rollout.change(hub_jetstream(nc, config), config, action)
     print(f"rollout of {changed.version}: {changed.state}")
     return 0

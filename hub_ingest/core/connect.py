@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 import nats
 import structlog
 from nats.aio.client import Client
+from nats.js import JetStreamContext
 
 from hub_ingest.core.config import HubConfig
 from hub_ingest.core.errors import HubUnreachableError
@@ -16,6 +17,14 @@ from hub_ingest.core.errors import HubUnreachableError
 log = structlog.get_logger(__name__)
 
 _CONNECT_ATTEMPTS = 3  # per server, before a hub that refuses us or is not there is an error
+# nats-py waits 5 s for a JetStream API answer; a busy hub cluster (a leader election, a node
+# catching up) can take longer, and an operator's `device add` failing then is wrong.
+JETSTREAM_TIMEOUT_S = 20.0
+
+
+def hub_jetstream(nc: Client, config: HubConfig) -> JetStreamContext:
+    """The hub tools' JetStream context on `nc`: the hub's domain, a cluster's patience."""
+    return nc.jetstream(domain=config.nats.domain, timeout=JETSTREAM_TIMEOUT_S)
 
 
 @asynccontextmanager
