@@ -34,11 +34,9 @@ from hub_ingest.fleet.gaps import healed
 from hub_ingest.ingest.source import ARROW_SCHEMA
 from hub_ingest.local.link import Shape
 from hub_ingest.report.collect import readings_dropped
-from tests.support.cluster import Device, Hub, mirror_live, stream_messages
-from tests.support.ingest import ingest_config, run_once
+from tests.support.cluster import PACKED, Device, Hub, mirror_live, stream_messages
+from tests.support.ingest import aggregate_has, ingest_config, run_once
 from tests.support.waiting import RESUME_TIMEOUT, eventually
-
-PACKED = {"hub": {"pack": True}}
 
 
 def packed_seqs(msgs: Sequence[RawStreamMsg]) -> list[int]:
@@ -55,11 +53,6 @@ async def _publish(device: Device, first: int, count: int, noise: int = 0) -> No
     for i in range(first, first + count):
         reading = {"i": i, "noise": secrets.token_hex(noise // 2)}
         await device.js.publish("tele.temp", json.dumps(reading).encode())
-
-
-async def _hub_holds(hub: Hub, device: Device, readings: int) -> bool:
-    msgs = await stream_messages(hub.js, "FLEET_TELEMETRY")
-    return len(packed_seqs(msgs)) >= readings
 
 
 def test_a_pack_keeps_each_reading_and_a_broken_one_stays_a_row() -> None:
@@ -139,13 +132,17 @@ async def test_a_backlog_crosses_in_packs_and_is_archived_one_row_per_reading(
     mirror = await hub.mirror(device.id)
     await eventually(lambda: mirror_live(hub.js, mirror), timeout=RESUME_TIMEOUT)
     await _publish(device, 0, 5)  # link up: readings cross within a moment, a few per pack
-    await eventually(lambda: _hub_holds(hub, device, 5), timeout=30, what="first readings")
+    await eventually(
+        lambda: aggregate_has(hub, "FLEET_TELEMETRY", 5), timeout=30, what="first readings"
+    )
 
     device.proxy.cut()
     await device.wait_link(up=False)
     await _publish(device, 5, 1995)
     device.proxy.restore()
-    await eventually(lambda: _hub_holds(hub, device, 2000), timeout=RESUME_TIMEOUT + 60)
+    await eventually(
+        lambda: aggregate_has(hub, "FLEET_TELEMETRY", 2000), timeout=RESUME_TIMEOUT + 60
+    )
 
     await eventually(partial(_beat_packed, device, 2000), timeout=30, what="heartbeat")
     status = await collect_status(device.config)
@@ -224,7 +221,9 @@ async def test_packs_stay_within_a_small_island_max_payload(hub: Hub) -> None:
     await device.wait_link(up=False)
     await _publish(device, 0, 4000, noise=200)  # 860 kB: packs grow past 16 KiB on loopback
     device.proxy.restore()
-    await eventually(lambda: _hub_holds(hub, device, 4000), timeout=RESUME_TIMEOUT + 60)
+    await eventually(
+        lambda: aggregate_has(hub, "FLEET_TELEMETRY", 4000), timeout=RESUME_TIMEOUT + 60
+    )
     packs = await stream_messages(device.js, "TELEMETRY")
     assert packed_seqs(packs) == list(range(1, 4001))
     assert max(len(p.data or b"") for p in packs) <= 16 * 1024
@@ -239,13 +238,15 @@ async def test_the_packer_reads_on_when_its_consumer_is_gone(hub: Hub) -> None:
     mirror = await hub.mirror(device.id)
     await eventually(lambda: mirror_live(hub.js, mirror), timeout=RESUME_TIMEOUT)
     await _publish(device, 0, 5)
-    await eventually(lambda: _hub_holds(hub, device, 5), timeout=30, what="first readings")
+    await eventually(
+        lambda: aggregate_has(hub, "FLEET_TELEMETRY", 5), timeout=30, what="first readings"
+    )
     consumers = await device.js.consumers_info("READINGS")
     assert consumers
     for consumer in consumers:
         await device.js.delete_consumer("READINGS", consumer.name)
     await _publish(device, 5, 20)
-    await eventually(lambda: _hub_holds(hub, device, 25), timeout=30, what="the rest")
+    await eventually(lambda: aggregate_has(hub, "FLEET_TELEMETRY", 25), timeout=30, what="the rest")
 
 
 async def _beat_packed(device: Device, readings: int) -> bool:
@@ -269,7 +270,9 @@ async def test_packs_a_mirror_skipped_are_refilled_and_archived_as_readings(
     device = await hub.device("p3", register_when_ready=True, sections=PACKED)
     mirror = await hub.mirror(device.id)
     await _publish(device, 0, 5)
-    await eventually(lambda: _hub_holds(hub, device, 5), timeout=RESUME_TIMEOUT, what="5")
+    await eventually(
+        lambda: aggregate_has(hub, "FLEET_TELEMETRY", 5), timeout=RESUME_TIMEOUT, what="5"
+    )
     before = (await hub.js.stream_info(mirror)).state.last_seq
     device.proxy.cut()
     await device.wait_link(up=False)
@@ -292,7 +295,7 @@ async def test_packs_a_mirror_skipped_are_refilled_and_archived_as_readings(
         ]
     )
     device.proxy.restore()
-    await eventually(lambda: _hub_holds(hub, device, 35), timeout=RESUME_TIMEOUT + 30)
+    await eventually(lambda: aggregate_has(hub, "FLEET_TELEMETRY", 35), timeout=RESUME_TIMEOUT + 30)
 
     config = ingest_config(hub)
     await run_once(spark, config)

@@ -1,5 +1,8 @@
 """Gaps heal themselves: what a hub mirror skipped is refilled from the island, once, and what
-the island no longer holds is counted lost with its reason (`hub_ingest.fleet.refill`)."""
+the island no longer holds is counted lost with its reason (`hub_ingest.fleet.refill`).
+
+The devices here send reading by reading (`UNPACKED`): the skips are made per message on the
+island's `TELEMETRY`; tests/test_pack.py heals the packed path's."""
 
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ from hub_ingest.fleet.provision import provision
 from hub_ingest.fleet.registry import Registry
 from hub_ingest.report.collect import collect_report, hub_gaps
 from hub_ingest.report.model import SourceState
-from tests.support.cluster import Device, Hub
+from tests.support.cluster import UNPACKED, Device, Hub
 from tests.support.hubcluster import ClusterHub
 from tests.support.ingest import ingest_config, run_once, telemetry
 from tests.support.scan import scan
@@ -73,7 +76,7 @@ async def test_a_mirror_skip_is_refilled_from_the_island_once(
     """The hub's mirror skips 6..8 for good; within seconds the watcher reads them from the
     island into FLEET_REFILL, the aggregate gets each once (as ``fleet.a.tele.temp``), the
     archive has every reading once with its device time, and the report says refilled."""
-    a = await hub.device("a", heartbeat_interval="1s")
+    a = await hub.device("a", heartbeat_interval="1s", sections=UNPACKED)
     mirror = await _skip(hub, a)
 
     async def all_ten() -> bool:
@@ -121,7 +124,7 @@ async def test_what_a_mirror_made_again_starts_above_is_refilled_from_the_island
     cluster; here the mirror is deleted and provisioned anew over a consumer moved to 11).
     The watcher compares the aggregate's rows below the mirror's first sequence with it and
     refills 6..10 once."""
-    a = await hub.device("a")
+    a = await hub.device("a", sections=UNPACKED)
     for i in range(5):
         await a.js.publish("tele.temp", str(i).encode())
     mirror = await eventually(lambda: hub.mirror("a"), timeout=30, what="a's mirror")
@@ -167,7 +170,7 @@ async def test_a_skip_at_the_mirrors_tail_is_refilled_before_the_device_publishe
     device then stays quiet: the mirror receives nothing, so it shows no deleted sequence. The
     watcher compares the mirror's tail with the island's floor and refills 6..10; the next
     reading makes the mirror skip them, and nothing is refilled twice."""
-    a = await hub.device("a", heartbeat_interval="1s")
+    a = await hub.device("a", heartbeat_interval="1s", sections=UNPACKED)
     mirror = await _skip(hub, a, floor=11, before_restore=True)
     a.proxy.restore()
 
@@ -195,7 +198,7 @@ async def test_what_the_island_no_longer_holds_is_lost_with_its_reason(hub: Hub)
     """Of the skipped 6..8, the island's budget took 6 and 7 (purged below 8) before the link
     came back: those are lost as ``evicted``, 8 is refilled; evictions are the budget's
     drops, so the device is not flagged."""
-    a = await hub.device("a", heartbeat_interval="1s")
+    a = await hub.device("a", heartbeat_interval="1s", sections=UNPACKED)
     mirror = await _skip(hub, a, before_restore=True)
     assert a.nc is not None
     reply = await a.nc.request("$JS.API.STREAM.PURGE.TELEMETRY", b'{"seq": 8}', timeout=5)
@@ -233,7 +236,7 @@ async def test_what_the_mirror_lost_but_the_aggregate_kept_is_not_refilled(hub: 
     """A hub power cut takes each stream's unsynced tail on its own: here the mirror loses
     sequence 3 (deleted by hand) while the aggregate had already sourced it. The refill finds
     it in the aggregate and leaves it: it is there once."""
-    a = await hub.device("a", heartbeat_interval="1s")
+    a = await hub.device("a", heartbeat_interval="1s", sections=UNPACKED)
     for i in range(5):
         await a.js.publish("tele.temp", str(i).encode())
     mirror = await eventually(lambda: hub.mirror("a"), timeout=30, what="a's mirror")
@@ -259,8 +262,8 @@ async def test_a_range_deleted_from_the_aggregate_by_hand_is_put_back_once(
     """Rows of two devices are deleted from FLEET_TELEMETRY by hand before the ingest read
     them; the mirrors still hold them, so the watcher puts each back once (from the hub's
     mirror, through FLEET_REFILL) and the archive ends complete."""
-    a = await hub.device("a", heartbeat_interval="1s")
-    b = await hub.device("b", heartbeat_interval="1s")
+    a = await hub.device("a", heartbeat_interval="1s", sections=UNPACKED)
+    b = await hub.device("b", heartbeat_interval="1s", sections=UNPACKED)
     for i in range(6):
         for device in (a, b):
             await device.js.publish("tele.temp", str(i).encode())
@@ -303,7 +306,7 @@ async def test_a_gap_waits_for_the_island_and_is_refilled_when_it_links(hub: Hub
     """The mirror skipped while the watcher was down, and the link is cut again before it
     came back: the gap is pending, with its age, in the record and the report; once the link
     returns it is refilled."""
-    a = await hub.device("a", heartbeat_interval="1s")
+    a = await hub.device("a", heartbeat_interval="1s", sections=UNPACKED)
     await eventually(lambda: hub.mirror("a"), timeout=30, what="a's mirror")
     await hub.stop_watching()
     mirror = await _skip(hub, a)
@@ -341,7 +344,7 @@ async def test_on_a_cluster_a_new_mirror_leader_above_its_copy_is_refilled_once(
     6..10 are stored. The mirror skips 6..8; they are refilled exactly once (FLEET_REFILL's
     one subject per sequence), and reach the R3 aggregate once."""
     hub = cluster_hub
-    a = await hub.device("a", heartbeat_interval="1s")
+    a = await hub.device("a", heartbeat_interval="1s", sections=UNPACKED)
     for i in range(5):
         await a.js.publish("tele.temp", str(i).encode())
     mirror = await eventually(lambda: hub.mirror("a"), timeout=60, what="a's mirror")

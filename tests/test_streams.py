@@ -6,11 +6,12 @@ from dataclasses import replace
 
 from edge_agent.core.config import StreamBudget
 from edge_agent.island.streams import reconcile
-from tests.support.cluster import Hub
+from tests.support.cluster import UNPACKED, Hub
 
 
 async def test_reconcile_twice_changes_nothing(hub: Hub) -> None:
-    a = await hub.device("a")
+    """Unpacked: a packing island has its `READINGS` stream too (tests/test_pack.py)."""
+    a = await hub.device("a", sections=UNPACKED)
     results = await reconcile(a.js, a.config)
     assert [(r.name, r.change) for r in results] == [
         ("TELEMETRY", "unchanged"),
@@ -21,7 +22,7 @@ async def test_reconcile_twice_changes_nothing(hub: Hub) -> None:
 
 async def test_budget_change_is_applied_on_restart_and_keeps_data(hub: Hub) -> None:
     """A new telemetry budget and max_age in the config reach the stream at the next start."""
-    a = await hub.device("a")
+    a = await hub.device("a", sections=UNPACKED)
     await a.js.publish("tele.temp", b"kept")
     await a.stop()
     budget = StreamBudget(max_bytes=8 * 1024**2, max_age=3600.0)

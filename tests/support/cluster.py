@@ -38,6 +38,10 @@ from hub_ingest.local.link import LinkProxy
 from tests.support.waiting import eventually
 
 NATS_SERVER = resolve_nats_server("nats-server")
+# `sections` for a device whose telemetry crosses in packs, and for one whose telemetry
+# crosses reading by reading: tests of one path's own mechanism name it, whatever the default.
+PACKED: dict[str, dict[str, Any]] = {"hub": {"pack": True}}
+UNPACKED: dict[str, dict[str, Any]] = {"hub": {"pack": False}}
 
 
 async def _quiet(exc: Exception) -> None:
@@ -330,6 +334,8 @@ credentials = {json.dumps(str(cfg.hub.credentials))}
 
 
 __all__ = [
+    "PACKED",
+    "UNPACKED",
     "Device",
     "Hub",
     "free_port",
