@@ -37,10 +37,11 @@ from edge_agent.protocol.units import format_time, parse_time
 from hub_ingest.commands.attribution import Attribution, attribute
 from hub_ingest.commands.index import CommandIndex, Tally, json_object
 from hub_ingest.core.config import HubConfig
+from hub_ingest.core.connect import hub_jetstream
 from hub_ingest.core.gather import gather_bounded
 from hub_ingest.fleet.gaps import MirrorGaps, read_gaps
 from hub_ingest.fleet.registry import Device
-from hub_ingest.fleet.streams import AGGREGATES, mirror_name
+from hub_ingest.fleet.streams import AGGREGATES, mirror_name, stream_list
 from hub_ingest.report.hub import OFFLINE, HubApi, linked_leaves, monitor_urls
 from hub_ingest.report.model import (
     CommandCounts,
@@ -281,6 +282,27 @@ class _Fleet:
     forged: _Forgeries
     now: datetime
     silent_after: float
+    heartbeats: Mapping[str, Any]  # each device's last, by subject
+
+
+def _heartbeat_subject(device_id: str) -> str:
+    return f"{EVENTS.subject_prefix(device_id)}.{device_id}.heartbeat"
+
+
+async def _last_heartbeats(
+    api: HubApi, infos: Mapping[str, Any], devices: Iterable[Device]
+) -> dict[str, Any]:
+    """The last heartbeat of each of `devices`, by subject, read per events aggregate."""
+    subjects: dict[str, list[str]] = {}
+    for device in devices:
+        subjects.setdefault(EVENTS.stream_name(device.shard), []).append(
+            _heartbeat_subject(device.device_id)
+        )
+    found: dict[str, Any] = {}
+    for stream, wanted in subjects.items():
+        if infos.get(stream):
+            found |= await api.last_messages(stream, wanted)
+    return found
 
 
 async def _device_report(fleet: _Fleet, device: Device) -> tuple[DeviceReport, list[str]]:
@@ -312,11 +334,8 @@ async def _device_report(fleet: _Fleet, device: Device) -> tuple[DeviceReport, l
     )
     if any(s.error == OFFLINE for s in sources):
         warnings.append(f"device {device.device_id}: its streams on the hub are {OFFLINE}")
-    events_stream = EVENTS.stream_name(device.shard)
-    subject = f"{EVENTS.subject_prefix(device.device_id)}.{device.device_id}.heartbeat"
-    heartbeat = (
-        await fleet.api.last_message(events_stream, subject) if fleet.infos[events_stream] else None
-    )
+    subject = _heartbeat_subject(device.device_id)
+    heartbeat = fleet.heartbeats.get(subject)
     if heartbeat is not None and not (sender := _beat_sender(subject, heartbeat)).trusted:
         fleet.forged.note(sender)
         heartbeat = None  # it names another device: not this one's word on itself
@@ -369,8 +388,8 @@ async def collect_report(
 ) -> FleetReport:
     """Read the hub's streams and monitoring endpoint into a `FleetReport`."""
     domain = config.nats.domain
-    api = HubApi(nc, domain)
-    js = nc.jetstream(domain=domain)
+    js = hub_jetstream(nc, config)
+    api = HubApi(nc, domain, listed=await stream_list(js))
     devices = sorted(devices, key=lambda d: d.device_id)
     warnings: list[str] = []
     now = datetime.now(UTC)
@@ -389,7 +408,9 @@ async def collect_report(
     for name in event_streams:
         await _heartbeat_forgeries(api, name, forged)
 
-    fleet = _Fleet(api, index, infos, await read_gaps(js), leaves, forged, now, silent_after)
+    heartbeats = await _last_heartbeats(api, infos, devices)
+    gaps = await read_gaps(js)
+    fleet = _Fleet(api, index, infos, gaps, leaves, forged, now, silent_after, heartbeats)
     done = await gather_bounded((_device_report(fleet, d) for d in devices), CONCURRENT_DEVICES)
     reports = [report for report, _ in done]
     for _, said in done:

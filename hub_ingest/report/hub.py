@@ -4,10 +4,11 @@ source reads from) and the servers' monitoring endpoints (which leaves are linke
 
 from __future__ import annotations
 
+import base64
 import json
 import urllib.parse
 import urllib.request
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import nats.errors
@@ -24,7 +25,7 @@ _NOT_FOUND_CODES = (10059, 10037)
 _UNAVAILABLE_CODE = 10008
 # A stream whose node went down is not answered for at all; the report does not wait long.
 _DEVICE_STREAM_TIMEOUT_S = 2.0
-_BATCH = 256  # messages per direct get
+_BATCH = 256  # messages (or subjects' last messages) per direct get
 # What `device_stream_info` answers for a device stream that cannot be read right now.
 OFFLINE = "offline: the hub node that holds it is down"
 
@@ -32,10 +33,21 @@ OFFLINE = "offline: the hub node that holds it is down"
 class HubApi:
     """Raw JetStream API requests in the hub's domain, answered as plain JSON."""
 
-    def __init__(self, nc: Client, domain: str, timeout: float = 5.0) -> None:
+    def __init__(
+        self,
+        nc: Client,
+        domain: str,
+        timeout: float = 5.0,
+        listed: Iterable[Mapping[str, Any]] = (),
+    ) -> None:
+        """`listed`: stream infos as one STREAM.LIST answered them (a request per 256
+        streams, where asking stream by stream costs one each); `stream_info` and
+        `device_stream_info` answer from them, and ask the server only for a stream they
+        lack (made since, or on a node that did not answer the listing)."""
         self._nc = nc
         self._prefix = js_api(domain)
         self._timeout = timeout
+        self._listed = {str(info["config"]["name"]): dict(info) for info in listed}
 
     async def request(
         self, api: str, body: Mapping[str, Any] | None = None, *, timeout: float | None = None
@@ -59,12 +71,16 @@ class HubApi:
         return data
 
     async def stream_info(self, name: str) -> dict[str, Any] | None:
+        if name in self._listed:
+            return self._listed[name]
         return await self.request(f"STREAM.INFO.{name}")
 
     async def device_stream_info(self, name: str) -> dict[str, Any] | None:
         """`stream_info` of one of a device's own streams. On a cluster each lives on one
         node (``cluster.device_replicas``); while that node is down the answer is
         ``{"offline": OFFLINE}`` and the report goes on with the rest of the fleet."""
+        if name in self._listed:
+            return self._listed[name]
         try:
             return await self.request(f"STREAM.INFO.{name}", timeout=_DEVICE_STREAM_TIMEOUT_S)
         except nats.errors.TimeoutError:
@@ -100,10 +116,23 @@ class HubApi:
             got.append((int(headers["Nats-Sequence"]), headers["Nats-Subject"], msg.data))
         return got
 
-    async def last_message(self, stream: str, subject: str) -> dict[str, Any] | None:
-        reply = await self.request(f"STREAM.MSG.GET.{stream}", {"last_by_subj": subject})
-        message = (reply or {}).get("message")
-        return message if isinstance(message, dict) else None
+    async def last_messages(self, stream: str, subjects: Sequence[str]) -> dict[str, Any]:
+        """The last message on each of `subjects` in `stream` that has one, by subject, as
+        ``STREAM.MSG.GET`` shows a message (``data`` in base64): a batched direct get per
+        `_BATCH` subjects, where asking subject by subject costs a request each."""
+        found: dict[str, Any] = {}
+        for first in range(0, len(subjects), _BATCH):
+            chunk = list(subjects[first : first + _BATCH])
+            request = {"multi_last": chunk, "batch": len(chunk)}
+            for msg in await direct_get(self._nc, self._prefix, stream, request, self._timeout):
+                headers = msg.headers or {}
+                found[headers["Nats-Subject"]] = {
+                    "subject": headers["Nats-Subject"],
+                    "seq": int(headers["Nats-Sequence"]),
+                    "time": headers["Nats-Time-Stamp"],
+                    "data": base64.b64encode(msg.data).decode(),
+                }
+        return found
 
 
 def leaf_names(base_url: str, timeout: float = 5.0) -> set[str]:
