@@ -389,7 +389,11 @@ async def collect_report(
     """Read the hub's streams and monitoring endpoint into a `FleetReport`."""
     domain = config.nats.domain
     js = hub_jetstream(nc, config)
-    api = HubApi(nc, domain, listed=await stream_list(js))
+    # Every stream's info in one listing, where one request each would cost four per device;
+    # on a single server only: on a cluster the listing needs the meta leader, which is away
+    # for seconds when a node dies, where asking each stream needs only its own replicas.
+    listed = await stream_list(js) if config.cluster is None else []
+    api = HubApi(nc, domain, listed=listed)
     devices = sorted(devices, key=lambda d: d.device_id)
     warnings: list[str] = []
     now = datetime.now(UTC)
