@@ -17,7 +17,7 @@ from edge_agent.protocol.files import write_durably
 from edge_agent.protocol.units import parse_duration
 from hub_ingest.cli.args import duration
 from hub_ingest.core.config import HubConfig
-from hub_ingest.core.connect import hub_connection, hub_jetstream
+from hub_ingest.core.connect import hub_connection
 from hub_ingest.fleet.registry import Registry
 from hub_ingest.fleet.streams import AGGREGATES
 from hub_ingest.report.collect import collect_report
@@ -59,7 +59,7 @@ def register(sub: Any) -> None:
 
 async def _report(config: HubConfig, args: argparse.Namespace) -> int:
     async with hub_connection(config, name="hub-ingest-report") as nc:
-        devices = await (await Registry.open(hub_jetstream(nc, config))).list()
+        devices = await (await Registry.open(nc.jetstream(domain=config.nats.domain))).list()
         report = await collect_report(
             nc, config, devices, silent_after=args.silent_after, monitor=args.monitor_url
         )

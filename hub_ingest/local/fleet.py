@@ -37,7 +37,7 @@ from edge_agent.protocol.names import COMMAND_MIRROR, TELEMETRY
 from edge_agent.protocol.natsserver import ServerProcess, resolve_nats_server
 from edge_agent.protocol.tomlconf import format_sync
 from hub_ingest.core.config import HubConfig, parse_hub_config
-from hub_ingest.core.connect import close_quietly, hub_jetstream
+from hub_ingest.core.connect import close_quietly
 from hub_ingest.core.errors import LocalFleetError
 from hub_ingest.fleet.auth import write_auth
 from hub_ingest.fleet.enrol import enrol
@@ -212,7 +212,7 @@ async def admin_connection(config: HubConfig) -> tuple[Client, JetStreamContext]
         reconnect_time_wait=0.2,
         error_cb=_quiet,
     )
-    return nc, hub_jetstream(nc, config)
+    return nc, nc.jetstream(domain=config.nats.domain)
 
 
 @dataclass
