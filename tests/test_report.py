@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import re
 import sys
@@ -382,7 +381,7 @@ def test_skips_up_to_the_drops_the_device_reports_are_its_budgets() -> None:
     def source(stream: str, skipped: int | None) -> SourceState:
         return SourceState(f"FLEET_{stream}", stream, True, 0, 0.0, None, skipped)
 
-    beat = {"data": base64.b64encode(b'{"streams": {"TELEMETRY": {"dropped": 40}}}').decode()}
+    beat = {"streams": {"TELEMETRY": {"dropped": 40}}}
     sources = [source("TELEMETRY", 30), source("EVENTS", None)]
     assert hub_gaps(sources, beat) == {}
     assert hub_gaps([source("TELEMETRY", 41)], beat) == {"TELEMETRY": (41, 40)}

@@ -21,8 +21,6 @@ with its monitoring endpoint down still gets a report, with the missing parts le
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -41,7 +39,7 @@ from hub_ingest.core.gather import gather_bounded
 from hub_ingest.fleet.gaps import MirrorGaps, read_gaps
 from hub_ingest.fleet.registry import Device
 from hub_ingest.fleet.streams import AGGREGATES, mirror_name, stream_list
-from hub_ingest.report.hub import OFFLINE, HubApi, linked_leaves, monitor_urls
+from hub_ingest.report.hub import OFFLINE, HubApi, Stored, linked_leaves, monitor_urls
 from hub_ingest.report.model import (
     CommandCounts,
     CommandError,
@@ -64,40 +62,26 @@ class _Command:
     expires_at: datetime | None
 
 
-def _beat_body(heartbeat: Mapping[str, Any] | None) -> dict[str, Any] | None:
-    """The JSON body of a heartbeat as returned by ``STREAM.MSG.GET``."""
-    try:
-        return json_object(base64.b64decode(str((heartbeat or {}).get("data", ""))))
-    except (binascii.Error, ValueError):
-        return None
-
-
-def _beat_sender(subject: str, heartbeat: Mapping[str, Any]) -> Attribution:
-    return attribute(subject, _beat_body(heartbeat), "heartbeat")
-
-
-def _beat_figure(heartbeat: Mapping[str, Any] | None, *path: str) -> int | None:
-    """A count at `path` in a heartbeat as returned by ``STREAM.MSG.GET`` (None: absent)."""
-    value: object = _beat_body(heartbeat)
+def _beat_figure(body: Mapping[str, Any] | None, *path: str) -> int | None:
+    """A count at `path` in a heartbeat's body (None: absent)."""
+    value: object = body
     for key in path:
         value = value.get(key) if isinstance(value, dict) else None
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def readings_dropped(heartbeat: Mapping[str, Any] | None) -> int | None:
-    """Readings the device's budget dropped: READINGS' when it packs (its TELEMETRY then
-    counts packs), else TELEMETRY's."""
-    readings = _beat_figure(heartbeat, "streams", READINGS, "dropped")
+def readings_dropped(beat: Mapping[str, Any] | None) -> int | None:
+    """Readings the device's budget dropped, by heartbeat `beat`: READINGS' when it packs
+    (its TELEMETRY then counts packs), else TELEMETRY's."""
+    readings = _beat_figure(beat, "streams", READINGS, "dropped")
     return (
-        readings
-        if readings is not None
-        else _beat_figure(heartbeat, "streams", "TELEMETRY", "dropped")
+        readings if readings is not None else _beat_figure(beat, "streams", "TELEMETRY", "dropped")
     )
 
 
-def _beat_uplinks(heartbeat: Mapping[str, Any] | None) -> dict[str, dict[str, Any]]:
+def _beat_uplinks(beat: Mapping[str, Any] | None) -> dict[str, dict[str, Any]]:
     """Each stream's ``uplink`` block of a heartbeat (see `edge_agent.status.health.Uplink`)."""
-    streams = (_beat_body(heartbeat) or {}).get("streams")
+    streams = (beat or {}).get("streams")
     if not isinstance(streams, dict):
         return {}
     return {
@@ -234,15 +218,16 @@ def _flags(
 
 def hub_gaps(
     sources: Iterable[SourceState],
-    heartbeat: Mapping[str, Any] | None,
+    beat: Mapping[str, Any] | None,
     accounted: Mapping[str, int] | None = None,
 ) -> dict[str, tuple[int, int]]:
     """Per device stream, (skipped, dropped) where the hub's mirror skipped more sequences
     than the refill has looked at (`accounted`, per device stream) plus what the device says
-    its budget removed: not yet refilled nor counted lost (`hub-ingest audit` names them)."""
+    its budget removed (by heartbeat `beat`): not yet refilled nor counted lost
+    (`hub-ingest audit` names them)."""
     gaps = {}
     for source in sources:
-        dropped = _beat_figure(heartbeat, "streams", source.device_stream, "dropped") or 0
+        dropped = _beat_figure(beat, "streams", source.device_stream, "dropped") or 0
         skipped = (source.skipped or 0) - (accounted or {}).get(source.device_stream, 0)
         if skipped > dropped:
             gaps[source.device_stream] = (skipped, dropped)
@@ -281,7 +266,7 @@ class _Fleet:
     forged: _Forgeries
     now: datetime
     silent_after: float
-    heartbeats: Mapping[str, Any]  # each device's last, by subject
+    heartbeats: Mapping[str, Stored]  # each device's last, by subject
 
 
 def _heartbeat_subject(device_id: str) -> str:
@@ -290,14 +275,14 @@ def _heartbeat_subject(device_id: str) -> str:
 
 async def _last_heartbeats(
     api: HubApi, infos: Mapping[str, Any], devices: Iterable[Device]
-) -> dict[str, Any]:
+) -> dict[str, Stored]:
     """The last heartbeat of each of `devices`, by subject, read per events aggregate."""
     subjects: dict[str, list[str]] = {}
     for device in devices:
         subjects.setdefault(EVENTS.stream_name(device.shard), []).append(
             _heartbeat_subject(device.device_id)
         )
-    found: dict[str, Any] = {}
+    found: dict[str, Stored] = {}
     for stream, wanted in subjects.items():
         if infos.get(stream):
             found |= await api.last_messages(stream, wanted)
@@ -335,10 +320,11 @@ async def _device_report(fleet: _Fleet, device: Device) -> tuple[DeviceReport, l
         warnings.append(f"device {device.device_id}: its streams on the hub are {OFFLINE}")
     subject = _heartbeat_subject(device.device_id)
     heartbeat = fleet.heartbeats.get(subject)
-    if heartbeat is not None and not (sender := _beat_sender(subject, heartbeat)).trusted:
+    beat = json_object(heartbeat.data) if heartbeat else None
+    if heartbeat is not None and not (sender := attribute(subject, beat, "heartbeat")).trusted:
         fleet.forged.note(sender)
-        heartbeat = None  # it names another device: not this one's word on itself
-    beat_at = parse_time(heartbeat.get("time")) if heartbeat else None
+        heartbeat = beat = None  # it names another device: not this one's word on itself
+    beat_at = parse_time(heartbeat.time) if heartbeat else None
     beat_age = round(max((fleet.now - beat_at).total_seconds(), 0.0), 3) if beat_at else None
     ages = [a for a in (beat_age, *(s.last_active_s for s in sources)) if a is not None]
     last_seen = min(ages) if ages else None
@@ -346,7 +332,7 @@ async def _device_report(fleet: _Fleet, device: Device) -> tuple[DeviceReport, l
     if tally.forged:
         fleet.forged.note(Attribution(device.device_id, tally.forged_example), tally.forged)
     counts, last_error = await _command_state(fleet.api, tally, device.device_id, fleet.now)
-    gaps = hub_gaps(sources, heartbeat, accounted)
+    gaps = hub_gaps(sources, beat, accounted)
     warnings.extend(
         f"device {device.device_id}: the hub's copy of its {stream} skipped {skipped} "
         f"sequences, the device reports dropping {dropped} (hub-ingest audit names them)"
@@ -364,14 +350,14 @@ async def _device_report(fleet: _Fleet, device: Device) -> tuple[DeviceReport, l
         last_heartbeat_at=format_time(beat_at) if beat_at else None,
         last_heartbeat_age_s=beat_age,
         last_seen_s=last_seen,
-        telemetry_dropped=readings_dropped(heartbeat),
-        dead_letters=_beat_figure(heartbeat, "outbox", "dead_letters"),
+        telemetry_dropped=readings_dropped(beat),
+        dead_letters=_beat_figure(beat, "outbox", "dead_letters"),
         commands=counts,
         last_error=last_error,
         flags=_flags(last_seen, fleet.silent_after, gaps, device_gaps),
         incarnations=device.incarnations,
         forged_events=fleet.forged.counts[device.device_id],
-        uplinks=_beat_uplinks(heartbeat),
+        uplinks=_beat_uplinks(beat),
         gaps=device_gaps,
     )
     return report, warnings

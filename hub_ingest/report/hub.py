@@ -4,15 +4,16 @@ source reads from) and the servers' monitoring endpoints (which leaves are linke
 
 from __future__ import annotations
 
-import base64
 import json
 import urllib.parse
 import urllib.request
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import nats.errors
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 
 from edge_agent.protocol.names import js_api
 from hub_ingest.core.config import HubConfig, ServerConfig
@@ -28,6 +29,26 @@ _DEVICE_STREAM_TIMEOUT_S = 2.0
 _BATCH = 256  # messages (or subjects' last messages) per direct get
 # What `device_stream_info` answers for a device stream that cannot be read right now.
 OFFLINE = "offline: the hub node that holds it is down"
+
+
+@dataclass(frozen=True, slots=True)
+class Stored:
+    """A stream's message as a direct get answers it."""
+
+    seq: int
+    subject: str
+    time: str  # when the stream stored it (RFC 3339)
+    data: bytes
+
+    @classmethod
+    def of(cls, msg: Msg) -> Stored:
+        headers = msg.headers or {}
+        return cls(
+            int(headers["Nats-Sequence"]),
+            headers["Nats-Subject"],
+            headers.get("Nats-Time-Stamp", ""),
+            msg.data,
+        )
 
 
 class HubApi:
@@ -96,43 +117,28 @@ class HubApi:
         messages, where a consumer made to read a few would cost four."""
         found: list[tuple[str, bytes]] = []
         while first <= last:
-            page = await self._direct_batch(stream, first, min(_BATCH, last - first + 1))
-            found += [(subject, data) for seq, subject, data in page if seq <= last]
+            batch = min(_BATCH, last - first + 1)
+            page = await self._direct_get(stream, {"seq": first, "batch": batch})
+            found += [(m.subject, m.data) for m in page if m.seq <= last]
             if not page:
                 break
-            first = page[-1][0] + 1
+            first = page[-1].seq + 1
         return found
 
-    async def _direct_batch(
-        self, stream: str, seq: int, batch: int
-    ) -> list[tuple[int, str, bytes]]:
-        """Up to `batch` messages from `seq` on, as (sequence, subject, payload)."""
-        msgs = await direct_get(
-            self._nc, self._prefix, stream, {"seq": seq, "batch": batch}, self._timeout
-        )
-        got = []
-        for msg in msgs:
-            headers = msg.headers or {}
-            got.append((int(headers["Nats-Sequence"]), headers["Nats-Subject"], msg.data))
-        return got
-
-    async def last_messages(self, stream: str, subjects: Sequence[str]) -> dict[str, Any]:
-        """The last message on each of `subjects` in `stream` that has one, by subject, as
-        ``STREAM.MSG.GET`` shows a message (``data`` in base64): a batched direct get per
-        `_BATCH` subjects, where asking subject by subject costs a request each."""
-        found: dict[str, Any] = {}
+    async def last_messages(self, stream: str, subjects: Sequence[str]) -> dict[str, Stored]:
+        """The last message on each of `subjects` in `stream` that has one, by subject: a
+        batched direct get per `_BATCH` subjects, where asking subject by subject costs a
+        request each."""
+        found: dict[str, Stored] = {}
         for first in range(0, len(subjects), _BATCH):
             chunk = list(subjects[first : first + _BATCH])
-            request = {"multi_last": chunk, "batch": len(chunk)}
-            for msg in await direct_get(self._nc, self._prefix, stream, request, self._timeout):
-                headers = msg.headers or {}
-                found[headers["Nats-Subject"]] = {
-                    "subject": headers["Nats-Subject"],
-                    "seq": int(headers["Nats-Sequence"]),
-                    "time": headers["Nats-Time-Stamp"],
-                    "data": base64.b64encode(msg.data).decode(),
-                }
+            for msg in await self._direct_get(stream, {"multi_last": chunk, "batch": len(chunk)}):
+                found[msg.subject] = msg
         return found
+
+    async def _direct_get(self, stream: str, request: dict[str, Any]) -> list[Stored]:
+        msgs = await direct_get(self._nc, self._prefix, stream, request, self._timeout)
+        return [Stored.of(msg) for msg in msgs]
 
 
 def leaf_names(base_url: str, timeout: float = 5.0) -> set[str]:
