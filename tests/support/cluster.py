@@ -17,9 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import nats
+import nats.errors
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.api import RawStreamMsg
+from tenacity import retry, retry_if_exception_type, stop_after_attempt
 
 from edge_agent.app import Agent
 from edge_agent.commands.handlers import Handler
@@ -84,6 +86,13 @@ class Hub(LocalHub):
     def seed_file(self, device_id: str) -> Path:
         return self.root / device_id / "hub.nk"
 
+    # A loaded cluster may keep a JetStream request past nats-py's 5 s (seen in enrolment's
+    # name check, before anything changes); asked again, a registered device is provisioned.
+    @retry(
+        retry=retry_if_exception_type(nats.errors.TimeoutError),
+        stop=stop_after_attempt(3),
+        reraise=True,
+    )
     async def register(self, device_id: str, *, streams: bool = True) -> None:
         """Enrol the device (key, users file, reload) unless it is; provision the streams.
 
