@@ -3,8 +3,10 @@
 Each device has a producer publishing numbered telemetry to its island (``tele.chaos``,
 payload ``n``, ``Nats-Msg-Id`` ``<id>-<n>``), retrying each number until the island
 acknowledges it; ``produced`` counts acknowledged numbers, so the hub must end up with exactly
-``1..produced`` for each device. Commands run a marker program that appends
-``<device> <tag>`` to a shared file, so runs can be counted per device.
+``1..produced`` for each device. Device ``b`` packs its telemetry (``hub.pack``), ``a`` and
+``c`` send it reading by reading: a fleet where both kinds meet the same faults. Commands
+run a marker program that appends ``<device> <tag>`` to a shared file, so runs can be counted
+per device.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from nats.js.errors import APIError
 from edge_agent.island.server import pid_file
 from edge_agent.island.streams import incarnations
 from edge_agent.protocol.names import COMMAND_MIRROR, TELEMETRY, command_stream, hub_consumer
+from edge_agent.protocol.pack import PACK_HEADER, decode
 from edge_agent.status.health import collect_status
 from hub_ingest.commands.send import Envelope, new_envelope, send
 from hub_ingest.fleet.gaps import REFILL_HEADER
@@ -37,7 +40,7 @@ from hub_ingest.report.collect import collect_report
 from hub_ingest.report.hub import HubApi
 from tests.chaos.schedule import Action, draw_schedule
 from tests.support.agent_process import AgentProcess
-from tests.support.cluster import Device, Hub, write_agent_config
+from tests.support.cluster import PACKED, UNPACKED, Device, Hub, write_agent_config
 from tests.support.hubcluster import NODES, ClusterHub
 from tests.support.scan import scan
 from tests.support.waiting import eventually
@@ -48,6 +51,7 @@ with open(sys.argv[1], "a") as f:
     f.write(os.environ["CHAOS_DEVICE"] + " " + sys.argv[2] + "\\n")
 """
 PUBLISH_PACE = 0.05  # between telemetry publishes: ~20 readings/s per device
+PACKING = ("b",)  # devices whose telemetry crosses in packs
 _TRANSIENT = (nats.errors.Error, APIError, OSError, TimeoutError)
 
 
@@ -134,6 +138,7 @@ class Outcome:
     archive_duplicates: int = 0
     reports: int = 0  # fleet reports that listed every device, taken while a hub node was down
     refilled: int = 0  # readings the hub's mirrors skipped, refilled from the islands
+    packs: int = 0  # messages of packed readings in the telemetry aggregate
     mirror_rebuilds: int = 0  # island command mirrors made again: their hub origin was replaced
 
     def assert_exact(self) -> None:
@@ -153,7 +158,7 @@ class Outcome:
             f"out_of_order={self.out_of_order} commands sent={self.commands_sent} "
             f"expected_runs={self.expected_runs} ran={self.runs} ran_twice={self.double_runs} "
             f"results={self.results} missing_results={self.missing_results} "
-            f"reports_with_a_node_down={self.reports} refilled={self.refilled} "
+            f"reports_with_a_node_down={self.reports} refilled={self.refilled} packs={self.packs} "
             f"command_mirror_rebuilds={self.mirror_rebuilds} "
             f"duplicate_results={self.extra_results} wall={self.wall_s:.0f}s "
             f"(replay: CHAOS_SEED={self.seed})"
@@ -189,7 +194,12 @@ class Chaos:
         allow = json.dumps([sys.executable, str(self.marker), "*"])
         section = f'[commands]\nexec_allow = [{allow}]\nshutdown_grace = "5s"\n'
         for device_id in ("a", "b", "c"):
-            device = await self.hub.device(device_id, start=False, register_when_ready=True)
+            device = await self.hub.device(
+                device_id,
+                start=False,
+                register_when_ready=True,
+                sections=PACKED if device_id in PACKING else UNPACKED,
+            )
             config = write_agent_config(device, self.root / f"{device_id}.toml", section)
             node = Node(device, config, self.root)
             node.start_agent()
@@ -378,12 +388,9 @@ class Chaos:
         return "; ".join(lines)
 
     async def _caught_up(self, node: Node) -> bool:
-        aggregate = await self.hub.js.stream_info(
-            "FLEET_TELEMETRY", subjects_filter=f"fleet.{node.id}.tele.>"
-        )
         name = await self.hub.mirror(node.id)
         mirror = await self.hub.js.stream_info(name)
-        in_aggregate = sum((aggregate.state.subjects or {}).values())
+        in_aggregate = await _aggregated(self.hub, node)
         # What the mirror skipped reaches the aggregate through the refill, not the mirror: a
         # skip at its tail leaves the mirror short for as long as the device stays quiet.
         if in_aggregate >= node.produced:
@@ -405,10 +412,16 @@ class Chaos:
         out = self.outcome
         for node in self.nodes.values():
             want = list(range(1, node.produced + 1))
-            aggregate = await scan(self.hub.js, "FLEET_TELEMETRY", f"fleet.{node.id}.tele.>")
-            mirror = await scan(self.hub.js, await self.hub.mirror(node.id), "tele.>")
-            got = [int(m.data) for m in aggregate]
-            origins = [_origin(m) for m in aggregate]
+            aggregate = await scan(self.hub.js, "FLEET_TELEMETRY", f"fleet.{node.id}.>")
+            mirror = await scan(self.hub.js, await self.hub.mirror(node.id), ">")
+            origins: list[tuple[int, bool]] = []
+            got: list[int] = []
+            out.packs += sum(PACK_HEADER in (msg.headers or {}) for msg in aggregate)
+            for msg in aggregate:
+                origin, refilled = _origin(msg)
+                for seq, n in _readings(msg, origin):
+                    origins.append((seq, refilled))
+                    got.append(n)
             out.at_hub[node.id] = len(got)
             out.duplicates += len(got) - len(set(got))
             out.losses += len(set(want) - set(got))
@@ -420,7 +433,7 @@ class Chaos:
             refilled = {seq for seq, was in origins if was}
             out.refilled += len(refilled)
             # The mirror keeps the device's sequence; what it skipped was refilled.
-            mirrored = [(m.metadata.sequence.stream, int(m.data)) for m in mirror]
+            mirrored = [r for m in mirror for r in _readings(m, m.metadata.sequence.stream)]
             # A mirror made again (its node lost its disk) starts where the island's consumer
             # stood: what came before is in the aggregate, checked above.
             first = mirrored[0][0] if mirrored else 1
@@ -460,6 +473,23 @@ async def _skip_stored(node: Node) -> bool:
     except _TRANSIENT:
         return False
     return "error" not in json.loads(reply.data)
+
+
+async def _aggregated(hub: Hub, node: Node) -> int:
+    """The device's readings in the telemetry aggregate (a pack counts its readings)."""
+    if node.id in PACKING:
+        aggregate = await scan(hub.js, "FLEET_TELEMETRY", f"fleet.{node.id}.>")
+        return sum(len(_readings(msg, 0)) for msg in aggregate)
+    info = await hub.js.stream_info("FLEET_TELEMETRY", subjects_filter=f"fleet.{node.id}.tele.>")
+    return sum((info.state.subjects or {}).values())
+
+
+def _readings(msg: Msg, seq: int) -> list[tuple[int, int]]:
+    """(device sequence, number) of each reading in a message of the hub's: a pack's by their
+    ``READINGS`` sequences, a lone reading's `seq` (where the message says it came from)."""
+    if PACK_HEADER in (msg.headers or {}):
+        return [(reading.seq, int(reading.data)) for reading in decode(msg.data)]
+    return [(seq, int(msg.data))]
 
 
 def _origin(msg: Msg) -> tuple[int, bool]:

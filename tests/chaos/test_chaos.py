@@ -1,5 +1,6 @@
-"""The chaos run: three devices produce while links, agents, islands and the hub fail; and
-again on a three-node hub cluster, whose nodes are SIGKILLed one at a time among the faults.
+"""The chaos run: three devices (one packing its telemetry) produce while links, agents,
+islands and the hub fail; and again on a three-node hub cluster, whose nodes are SIGKILLed one
+at a time among the faults.
 
 ``CHAOS_SEED=<n>`` replays a run's schedule; ``CHAOS_FAULTS`` (``CHAOS_CLUSTER_FAULTS``)
 changes its length.
@@ -43,6 +44,7 @@ async def test_nothing_lost_nothing_twice_under_chaos(
     assert sum(outcome.faults.values()) >= 30, summary
     outcome.assert_exact()
     assert outcome.faults["skip"] == 0 or outcome.refilled > 0, summary
+    assert outcome.packs > 0, summary  # device b's telemetry crossed packed
 
 
 @pytest.mark.timeout(600)
@@ -64,3 +66,4 @@ async def test_nothing_lost_nothing_twice_under_chaos_on_a_hub_cluster(
         print(f"\n{summary}")
     assert outcome.faults["node_kill"] >= 1 and outcome.reports == outcome.faults["node_kill"]
     outcome.assert_exact()
+    assert outcome.packs > 0, summary

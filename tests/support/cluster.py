@@ -337,6 +337,7 @@ sync = {json.dumps(format_sync(cfg.island.sync))}
 [hub]
 urls = {json.dumps(list(cfg.hub.urls))}
 credentials = {json.dumps(str(cfg.hub.credentials))}
+pack = {json.dumps(cfg.hub.pack)}
 {extra}"""
     )
     return path
