@@ -3,14 +3,22 @@
 Stock nats-server resumes a mirror 10-40 s after a long cut (or a hub restart); the mirrors
 here are bound to durable consumers (see `edge_agent.island.streams`,
 `hub_ingest.fleet.provision`), so both directions must resume well inside that. Deadlines,
-not timings: the bench (`bench/link_resume.py`) measures how fast.
+not timings: the bench (`bench/link_resume.py`) measures how fast. The devices pack their
+telemetry, as by default (`hub.pack`).
 """
 
 from __future__ import annotations
 
 from nats.js import JetStreamContext
 
-from tests.support.cluster import Device, Hub, mirror_live, mirror_silent_for
+from tests.support.cluster import (
+    PACKED,
+    Device,
+    Hub,
+    hub_has_reading,
+    mirror_live,
+    mirror_silent_for,
+)
 from tests.support.waiting import RESUME_TIMEOUT, eventually
 
 STALLED_S = 30  # a cut this long leaves a stock mirror in its retry back-off
@@ -30,7 +38,7 @@ async def _live(hub: Hub, device: Device) -> None:
 
 async def _both_arrive(hub: Hub, device: Device, n: int) -> None:
     await eventually(
-        lambda: _has(hub.js, "FLEET_TELEMETRY", f"fleet.{device.id}.tele.r.{n}"),
+        lambda: hub_has_reading(hub.js, device.id, f"tele.r.{n}"),
         timeout=DEADLINE_S,
         what="the reading at the hub",
     )
@@ -42,7 +50,7 @@ async def _both_arrive(hub: Hub, device: Device, n: int) -> None:
 
 
 async def test_both_directions_resume_within_seconds_of_a_30s_cut(hub: Hub) -> None:
-    a = await hub.device("a", register_when_ready=True)
+    a = await hub.device("a", register_when_ready=True, sections=PACKED)
     await hub.provision()
     await _live(hub, a)
     mirror = await hub.mirror("a")
@@ -62,7 +70,7 @@ async def test_both_directions_resume_within_seconds_of_a_30s_cut(hub: Hub) -> N
 
 
 async def test_both_directions_resume_within_seconds_of_a_hub_restart(hub: Hub) -> None:
-    a = await hub.device("a", register_when_ready=True)
+    a = await hub.device("a", register_when_ready=True, sections=PACKED)
     await hub.provision()
     await _live(hub, a)
 

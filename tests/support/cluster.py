@@ -28,6 +28,7 @@ from edge_agent.commands.handlers import Handler
 from edge_agent.core.config import Config, parse_config
 from edge_agent.protocol.monitor import Monitor
 from edge_agent.protocol.natsserver import resolve_nats_server
+from edge_agent.protocol.pack import PACK_HEADER, PACK_SUBJECT, decode
 from edge_agent.protocol.tomlconf import format_sync
 from hub_ingest.core.connect import close_quietly
 from hub_ingest.fleet.enrol import enrol
@@ -41,7 +42,8 @@ from tests.support.waiting import eventually
 
 NATS_SERVER = resolve_nats_server("nats-server")
 # `sections` for a device whose telemetry crosses in packs, and for one whose telemetry
-# crosses reading by reading: tests of one path's own mechanism name it, whatever the default.
+# crosses reading by reading (`Hub.device`'s own default): tests of one path's own mechanism
+# name it.
 PACKED: dict[str, dict[str, Any]] = {"hub": {"pack": True}}
 UNPACKED: dict[str, dict[str, Any]] = {"hub": {"pack": False}}
 
@@ -161,6 +163,10 @@ class Hub(LocalHub):
             "hub": {
                 "urls": self.leaf_urls(proxy.port),
                 "credentials": str(self.seed_file(device_id)),
+                # Reading by reading unless a test says `PACKED` (the product packs by
+                # default): most tests count the hub's messages as readings. Packing devices
+                # meet the chaos runs (`tests/chaos`) and `tests/test_pack.py`.
+                "pack": False,
             },
         }
         for name, table in (sections or {}).items():
@@ -300,6 +306,21 @@ async def mirror_live(js: JetStreamContext, stream: str) -> bool:
     return active is not None and 0 <= active < 2e9
 
 
+async def hub_has_reading(js: JetStreamContext, device_id: str, subject: str) -> bool:
+    """Whether the telemetry aggregate holds a reading of `device_id` published on `subject`,
+    alone or in a pack (`hub.pack`)."""
+    alone = f"fleet.{device_id}.{subject}"
+    if (await js.stream_info("FLEET_TELEMETRY", subjects_filter=alone)).state.subjects:
+        return True
+    packs = f"fleet.{device_id}.{PACK_SUBJECT}"
+    return any(
+        reading.subject == subject
+        for msg in await stream_messages(js, "FLEET_TELEMETRY")
+        if msg.subject == packs and PACK_HEADER in (msg.headers or {})
+        for reading in decode(msg.data or b"")
+    )
+
+
 def run_cli(module: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     """Run ``python -m module args`` and capture its output."""
     return subprocess.run(
@@ -349,6 +370,7 @@ __all__ = [
     "Device",
     "Hub",
     "free_port",
+    "hub_has_reading",
     "mirror_live",
     "mirror_silent_for",
     "run_cli",
