@@ -16,7 +16,7 @@ the mirror and in the aggregate), which can bound a compressed drain before the 
 
     .venv/bin/python bench/slow_link.py [--shape lte|rural|geo|all] [--readings N]
     .venv/bin/python bench/slow_link.py --day     # 86,400 readings, LTE, to the archive too
-    .venv/bin/python bench/slow_link.py --pack    # the device packs its telemetry (hub.pack)
+    .venv/bin/python bench/slow_link.py --no-pack # a reading a message (hub.pack = false)
 
 Shapes: ``lte`` 100 ms, 2 Mbit/s, 1 % loss; ``rural`` 300 ms, 256 kbit/s, 5 %; ``geo``
 (geostationary satellite) 600 ms, 1 Mbit/s, 1 %.
@@ -418,7 +418,12 @@ if __name__ == "__main__":
     parser.add_argument("--readings", type=int, help="backlog size (default: --seconds' worth)")
     parser.add_argument("--seconds", type=float, default=30.0, help="raw link time to fill")
     parser.add_argument("--day", action="store_true", help="first a day's backlog, archived")
-    parser.add_argument("--pack", action="store_true", help="the device packs (hub.pack)")
+    parser.add_argument(
+        "--pack",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the device packs its telemetry (hub.pack, the default)",
+    )
     args = parser.parse_args()
     chosen = list(SHAPES) if args.shape == "all" else [args.shape]
     asyncio.run(main(chosen, args.readings, args.seconds, args.day, args.pack))

@@ -3,7 +3,6 @@ still gets one row per reading, at its own device sequence, exactly once."""
 
 from __future__ import annotations
 
-import base64
 import json
 import secrets
 from collections.abc import Sequence
@@ -34,7 +33,7 @@ from hub_ingest.fleet.gaps import healed
 from hub_ingest.ingest.source import ARROW_SCHEMA
 from hub_ingest.local.link import Shape
 from hub_ingest.report.collect import readings_dropped
-from tests.support.cluster import PACKED, Device, Hub, mirror_live, stream_messages
+from tests.support.cluster import PACKED, UNPACKED, Device, Hub, mirror_live, stream_messages
 from tests.support.ingest import aggregate_has, ingest_config, run_once
 from tests.support.waiting import RESUME_TIMEOUT, eventually
 
@@ -313,8 +312,8 @@ async def _island_packs(device: Device, packs: int) -> bool:
 
 
 def test_the_report_counts_a_packed_devices_dropped_readings_not_packs() -> None:
-    def beat(streams: dict[str, dict[str, int]]) -> dict[str, str]:
-        return {"data": base64.b64encode(json.dumps({"streams": streams}).encode()).decode()}
+    def beat(streams: dict[str, dict[str, int]]) -> dict[str, object]:
+        return {"streams": streams}
 
     packed = beat({"TELEMETRY": {"dropped": 3}, "READINGS": {"dropped": 0}})
     assert readings_dropped(packed) == 0
@@ -338,3 +337,23 @@ async def test_a_readings_stream_made_again_continues_after_the_last_packed_read
     await _publish(device, 10, 5)
     await eventually(partial(_packed_on_island, device, 15), timeout=30)
     assert packed_seqs(await stream_messages(device.js, "TELEMETRY")) == list(range(1, 16))
+
+
+async def test_an_island_made_unpacked_crosses_unpacked_under_an_agent_that_packs(
+    hub: Hub,
+) -> None:
+    """An island made before packing became the default, under an upgraded agent that packs
+    (the new default): its telemetry keeps crossing reading by reading, none lost or twice,
+    and no ``READINGS`` is made beside it."""
+    device = await hub.device("u1", register_when_ready=True, sections=UNPACKED)
+    await _publish(device, 0, 5)
+    await eventually(lambda: aggregate_has(hub, "FLEET_TELEMETRY", 5), timeout=RESUME_TIMEOUT)
+    await device.stop()
+    device.config = replace(device.config, hub=replace(device.config.hub, pack=True))
+    await device.start()
+    await _publish(device, 5, 5)
+    await eventually(lambda: aggregate_has(hub, "FLEET_TELEMETRY", 10), timeout=RESUME_TIMEOUT)
+    msgs = await stream_messages(hub.js, "FLEET_TELEMETRY")
+    assert not [m for m in msgs if PACK_HEADER in (m.headers or {})]
+    assert [json.loads(m.data)["i"] for m in msgs] == list(range(10))
+    assert "READINGS" not in [info.config.name for info in await device.js.streams_info()]

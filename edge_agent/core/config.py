@@ -90,7 +90,7 @@ class HubLinkConfig:
     compress_rtt: float  # with "by_rtt": compress from this round trip on
     # Telemetry crosses in packs of readings (`edge_agent.protocol.pack`); fixed for an
     # island when its TELEMETRY stream is made.
-    pack: bool = False
+    pack: bool = True
 
     @property
     def api_prefix(self) -> str:
@@ -322,7 +322,7 @@ def parse_config(data: dict[str, Any], source: Path | None = None) -> Config:
         reconnect_spread=hub_sec.get("reconnect_spread", _duration, 0.0),
         compression=hub_sec.get("compression", link_compression, BY_RTT),
         compress_rtt=hub_sec.get("compress_rtt", _positive_duration, 0.02),
-        pack=hub_sec.get("pack", _bool, False),
+        pack=hub_sec.get("pack", _bool, True),
     )
     hub_sec.finish()
     if hub.domain == island.domain:

@@ -233,7 +233,9 @@ def packs_telemetry(telemetry: StreamInfo | None, config: Config) -> bool:
         return config.hub.pack
     packed = (telemetry.config.subjects or []) == [PACK_SUBJECT]
     if packed != config.hub.pack:
-        log.warning("telemetry_packing_kept", packed=packed, configured=config.hub.pack)
+        # Every island made before packing became the default meets this after an upgrade:
+        # expected, so not a warning.
+        log.info("telemetry_packing_kept", packed=packed, configured=config.hub.pack)
     return packed
 
 
