@@ -41,6 +41,12 @@ from hub_ingest.core.gather import gather_bounded
 _WRITE_ATTEMPTS = 10  # optimistic writes that lost a race are retried this often
 
 
+class _Raced(Exception):
+    """An optimistic write found another revision than it read: another writer came first,
+    or the read came from a replica that had not caught up yet (a cluster's direct gets are
+    answered by any replica)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Incarnation:
     """One life of a device stream: from a (re)created store until the next."""
@@ -227,25 +233,38 @@ class Registry:
 
     async def add_incarnation(self, device_id: str, incarnation: Incarnation) -> Device:
         """Record `incarnation` (once: a second call with the same id changes nothing)."""
-        for _ in range(_WRITE_ATTEMPTS):
-            try:
-                entry = await self._kv.get(device_id)
-            except KeyNotFoundError:
-                raise RegistryError(f"device {device_id!r} is not registered") from None
-            assert entry.value is not None and entry.revision is not None
-            device = Device.from_json(entry.value)
-            if any(
-                (i.stream, i.id) == (incarnation.stream, incarnation.id)
-                for i in device.incarnations
-            ):
-                return device
-            device = replace(device, incarnations=(*device.incarnations, incarnation))
-            try:
-                await self._kv.update(device_id, device.to_json(), last=entry.revision)
-            except KeyWrongLastSequenceError:
-                continue  # another writer came first: read again
+        try:
+            return await self._add_incarnation(device_id, incarnation)
+        except _Raced:
+            raise RegistryError(
+                f"device {device_id!r}: registry kept changing under the update"
+            ) from None
+
+    # Read again after a pause: a lagging replica needs time to catch up, not a tight loop
+    # (ten attempts without one failed on a loaded three-node cluster).
+    @retry(
+        retry=retry_if_exception_type(_Raced),
+        stop=stop_after_attempt(_WRITE_ATTEMPTS),
+        wait=wait_exponential_jitter(multiplier=0.05, jitter=0.05, max=1.0),
+        reraise=True,
+    )
+    async def _add_incarnation(self, device_id: str, incarnation: Incarnation) -> Device:
+        try:
+            entry = await self._kv.get(device_id)
+        except KeyNotFoundError:
+            raise RegistryError(f"device {device_id!r} is not registered") from None
+        assert entry.value is not None and entry.revision is not None
+        device = Device.from_json(entry.value)
+        if any(
+            (i.stream, i.id) == (incarnation.stream, incarnation.id) for i in device.incarnations
+        ):
             return device
-        raise RegistryError(f"device {device_id!r}: registry kept changing under the update")
+        device = replace(device, incarnations=(*device.incarnations, incarnation))
+        try:
+            await self._kv.update(device_id, device.to_json(), last=entry.revision)
+        except KeyWrongLastSequenceError:
+            raise _Raced from None
+        return device
 
     async def remove(self, device_id: str) -> Device:
         device = await self.get(device_id)
