@@ -8,6 +8,7 @@ command may have run twice and every command must have its result.
 
     .venv/bin/python bench/power_cut.py [--device-cuts 60] [--hub-cuts 10] [--seed 1]
     .venv/bin/python bench/power_cut.py --sync 2m   # JetStream's default policy: loses data
+    .venv/bin/python bench/power_cut.py --no-pack   # a reading a message (hub.pack = false)
 
 Last line: ``cuts=… acked=… lost=0 ran_twice=0`` and the rest of the outcome.
 """
@@ -41,13 +42,15 @@ def summary_line(outcome: Outcome) -> str:
     )
 
 
-async def main(device_cuts: int, hub_cuts: int, seed: int, sync: str, keep: Path | None) -> None:
+async def main(
+    device_cuts: int, hub_cuts: int, seed: int, sync: str, keep: Path | None, *, packed: bool
+) -> None:
     configure_logging("warning")
     with tempfile.TemporaryDirectory(prefix="power-cut-") as tmp:
         root = keep or Path(tmp)
         root.mkdir(parents=True, exist_ok=True)
         outcome = await run_power_cuts(
-            root, seed, device_cuts=device_cuts, hub_cuts=hub_cuts, sync=sync
+            root, seed, device_cuts=device_cuts, hub_cuts=hub_cuts, sync=sync, packed=packed
         )
     print(outcome.summary())
     if outcome.unsettled:
@@ -62,5 +65,13 @@ if __name__ == "__main__":
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--sync", default="always", help='island sync: "always" or a duration')
     parser.add_argument("--keep", type=Path, help="run under this directory and keep it (logs)")
+    parser.add_argument(
+        "--pack",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the device packs its telemetry (hub.pack, the default)",
+    )
     args = parser.parse_args()
-    asyncio.run(main(args.device_cuts, args.hub_cuts, args.seed, args.sync, args.keep))
+    asyncio.run(
+        main(args.device_cuts, args.hub_cuts, args.seed, args.sync, args.keep, packed=args.pack)
+    )

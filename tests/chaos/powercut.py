@@ -12,7 +12,8 @@ The hub's ingest (``hub-ingest run``, Spark) archives all along, with its checkp
 archive on the hub's disk: it loses power with the hub and starts again with it.
 
 After the last cut, once everything has caught up, the checks are the chaos suite's: the hub
-has every reading the app had a PubAck for, exactly once and in order; no command ran twice;
+has every reading the app had a PubAck for, exactly once and in order (the device packs its
+telemetry, as by default, unless told otherwise); no command ran twice;
 every command has its result at the hub. And a last ``hub-ingest run --once`` leaves every
 such reading in the archive exactly once.
 """
@@ -34,7 +35,7 @@ from pathlib import Path
 from hub_ingest.archive import table as archive_table
 from hub_ingest.local.fleet import Child, write_hub_toml
 from tests.chaos.runner import MARKER, Chaos, Node, Outcome
-from tests.support.cluster import Hub, start_hub, write_agent_config
+from tests.support.cluster import PACKED, UNPACKED, Hub, start_hub, write_agent_config
 from tests.support.powerswitch import PowerCut
 
 DEVICE = "p"
@@ -54,6 +55,7 @@ class PowerCuts(Chaos):
         device_cuts: int,
         hub_cuts: int,
         sync: str = "always",
+        packed: bool = True,
     ) -> None:
         super().__init__(hub, root, seed, faults=0)
         self.rng = random.Random(seed)
@@ -64,6 +66,7 @@ class PowerCuts(Chaos):
         self.plan = ["device_cut"] * device_cuts + ["hub_cut"] * hub_cuts
         self.rng.shuffle(self.plan)
         self.sync = sync
+        self.packing = PACKED if packed else UNPACKED
         self.ingests: list[Child] = []
 
     async def setup(self) -> None:
@@ -84,7 +87,7 @@ class PowerCuts(Chaos):
             start=False,
             register_when_ready=True,
             state_dir=str(self.device_disk.mount),
-            sections={"island": {"sync": self.sync}},
+            sections={"island": {"sync": self.sync}, **self.packing},
         )
         config = write_agent_config(device, self.root / f"{DEVICE}.toml", section)
         node = Node(device, config, self.root)
@@ -186,8 +189,10 @@ async def run_power_cuts(
     device_cuts: int,
     hub_cuts: int,
     sync: str = "always",
+    packed: bool = True,
 ) -> Outcome:
-    """One power-cut run under `root`: the disks, the hub, the device, the schedule."""
+    """One power-cut run under `root`: the disks, the hub, the device (packing its telemetry
+    unless `packed` is false), the schedule."""
     device_disk = PowerCut(root / "device-disk", root / "device").start()
     hub_disk = PowerCut(root / "hub-disk", root / "hub").start()
     hub: Hub | None = None
@@ -206,6 +211,7 @@ async def run_power_cuts(
             device_cuts=device_cuts,
             hub_cuts=hub_cuts,
             sync=sync,
+            packed=packed,
         )
         await chaos.setup()
         return await chaos.run()

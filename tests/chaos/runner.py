@@ -477,7 +477,7 @@ async def _skip_stored(node: Node) -> bool:
 
 async def _aggregated(hub: Hub, node: Node) -> int:
     """The device's readings in the telemetry aggregate (a pack counts its readings)."""
-    if node.id in PACKING:
+    if node.device.config.hub.pack:
         aggregate = await scan(hub.js, "FLEET_TELEMETRY", f"fleet.{node.id}.>")
         return sum(len(_readings(msg, 0)) for msg in aggregate)
     info = await hub.js.stream_info("FLEET_TELEMETRY", subjects_filter=f"fleet.{node.id}.tele.>")

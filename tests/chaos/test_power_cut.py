@@ -21,10 +21,10 @@ pytestmark = pytest.mark.slow
 async def test_a_power_cut_loses_nothing_acknowledged(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """20 device cuts and 5 hub cuts (half of them tearing the last page written): the hub
-    then has every reading the app had a PubAck for, once and in order; no command ran twice;
-    every command's result is at the hub; the ingest, cut with the hub, archived every reading
-    once."""
+    """20 device cuts and 5 hub cuts (half of them tearing the last page written), the device
+    packing its telemetry as by default: the hub then has every reading the app had a PubAck
+    for, once and in order; no command ran twice; every command's result is at the hub; the
+    ingest, cut with the hub, archived every reading once."""
     seed = seed_from_env()
     device_cuts, hub_cuts = map(int, os.environ.get("POWER_CUTS", "20,5").split(","))
     with capsys.disabled():
