@@ -298,12 +298,17 @@ class Chaos:
 
     async def _holder(self, target: str) -> str:
         """The node holding one of a device's own streams (one replica each): `target` is
-        ``<device>:commands`` (its ``CMD_<id>``) or ``<device>:telemetry`` (its mirror)."""
+        ``<device>:commands`` (its ``CMD_<id>``) or ``<device>:telemetry`` (its mirror).
+        Asked until the cluster answers: after an earlier fault it may be electing leaders
+        (the registry's read answered 503 once)."""
         device, stream = target.split(":")
-        name = command_stream(device) if stream == "commands" else await self.hub.mirror(device)
-        cluster = (await self.hub.js.stream_info(name)).cluster
-        assert cluster is not None and cluster.leader is not None
-        return cluster.leader
+
+        async def leader() -> str | None:
+            name = command_stream(device) if stream == "commands" else await self.hub.mirror(device)
+            cluster = (await self.hub.js.stream_info(name)).cluster
+            return cluster.leader if cluster is not None else None
+
+        return await eventually(leader, timeout=30, interval=0.5, what=f"{target}'s holder")
 
     async def _report(self) -> bool:
         """The fleet report, as `hub-ingest report` makes it: it must list every device, each
