@@ -50,12 +50,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from bench.hub_store import measure as store_rate
 from edge_agent.protocol.envelope import new_envelope
 from edge_agent.protocol.logs import configure_logging
-from edge_agent.protocol.pack import PACK_HEADER, PACK_SUBJECT, decode, pack_range
+from edge_agent.protocol.pack import PACK_HEADER, PACK_SUBJECT, pack_range
 from hub_ingest.archive import table
 from hub_ingest.commands.send import send
 from hub_ingest.ingest.job import IngestSummary, ingest, spark_session
 from hub_ingest.local.link import LinkProxy, Shape
-from tests.support.cluster import Device, Hub, mirror_live, start_hub, stream_messages
+from tests.support.cluster import (
+    Device,
+    Hub,
+    mirror_live,
+    packed_readings,
+    start_hub,
+    stream_messages,
+)
 from tests.support.commands import results
 from tests.support.waiting import RESUME_TIMEOUT, eventually
 
@@ -140,11 +147,9 @@ async def _last_packed(hub: Hub, stream: str, subject: str) -> int:
 
 async def _packed_seqs(hub: Hub, stream: str, device_id: str) -> list[int]:
     """Every reading sequence in the packs `stream` holds from the device, in order."""
-    seqs = []
-    for msg in await stream_messages(hub.js, stream):
-        if msg.subject in (PACK_SUBJECT, f"fleet.{device_id}.{PACK_SUBJECT}"):
-            seqs += [r.seq for r in decode(msg.data or b"")]
-    return seqs
+    subjects = (PACK_SUBJECT, f"fleet.{device_id}.{PACK_SUBJECT}")
+    msgs = [m for m in await stream_messages(hub.js, stream) if m.subject in subjects]
+    return [r.seq for r in packed_readings(msgs)]
 
 
 async def _command_start(hub: Hub, device: Device) -> float:

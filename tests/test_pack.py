@@ -33,18 +33,22 @@ from hub_ingest.fleet.gaps import healed
 from hub_ingest.ingest.source import ARROW_SCHEMA
 from hub_ingest.local.link import Shape
 from hub_ingest.report.collect import readings_dropped
-from tests.support.cluster import PACKED, UNPACKED, Device, Hub, mirror_live, stream_messages
+from tests.support.cluster import (
+    PACKED,
+    UNPACKED,
+    Device,
+    Hub,
+    mirror_live,
+    packed_readings,
+    stream_messages,
+)
 from tests.support.ingest import aggregate_has, ingest_config, run_once
 from tests.support.waiting import RESUME_TIMEOUT, eventually
 
 
 def packed_seqs(msgs: Sequence[RawStreamMsg]) -> list[int]:
     """The reading sequences the packs among `msgs` hold, in order."""
-    seqs = []
-    for msg in msgs:
-        if PACK_HEADER in (msg.headers or {}):
-            seqs += [r.seq for r in decode(msg.data or b"")]
-    return seqs
+    return [r.seq for r in packed_readings(msgs)]
 
 
 async def _publish(device: Device, first: int, count: int, noise: int = 0) -> None:

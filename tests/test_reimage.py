@@ -1,6 +1,10 @@
 """A re-imaged device (same id and key, empty store and agent state) is a new incarnation:
 the hub notices it by itself, keeps the old incarnation's data, collects the new one from
-sequence 1, and no command whose result the hub has runs again."""
+sequence 1, and no command whose result the hub has runs again.
+
+Most devices here pack their telemetry, as the product does by default (`hub.pack`): a new
+incarnation's packs restart with its readings at sequence 1; two re-images in a row send
+reading by reading, the other path."""
 
 from __future__ import annotations
 
@@ -16,13 +20,21 @@ import pytest
 from pyspark.sql import SparkSession
 
 from edge_agent.protocol.names import ISLAND_CONSUMER, command_stream
+from edge_agent.protocol.pack import PACK_SUBJECT
 from edge_agent.status.health import collect_status
 from hub_ingest.archive.audit import audit_archive
 from hub_ingest.commands.send import command_status
 from hub_ingest.fleet.registry import Registry
 from hub_ingest.local.fleet import write_hub_toml
 from hub_ingest.report.collect import collect_report
-from tests.support.cluster import Device, Hub, start_hub, stream_messages
+from tests.support.cluster import (
+    PACKED,
+    Device,
+    Hub,
+    packed_readings,
+    start_hub,
+    stream_messages,
+)
 from tests.support.commands import counter_program, runs, send_command
 from tests.support.ingest import ingest_config, run_once, telemetry
 from tests.support.waiting import eventually
@@ -36,8 +48,21 @@ async def _publish(device: Device, values: range) -> None:
 
 
 async def _hub_rows(hub: Hub, subject: str) -> list[bytes]:
-    msgs = await stream_messages(hub.js, "FLEET_TELEMETRY")
-    return [m.data or b"" for m in msgs if m.subject == subject]
+    """The bodies of the readings on `subject` (``fleet.<id>.tele.…``) in the telemetry
+    aggregate, in its order: each alone, or in the device's packs (`hub.pack`)."""
+    device_id, local = subject.split(".", 2)[1:]
+    packs = f"fleet.{device_id}.{PACK_SUBJECT}"
+    rows = []
+    for msg in await stream_messages(hub.js, "FLEET_TELEMETRY"):
+        if msg.subject == subject:
+            rows.append(msg.data or b"")
+        elif msg.subject == packs:
+            rows += [r.data for r in packed_readings([msg]) if r.subject == local]
+    return rows
+
+
+async def _subjects(hub: Hub) -> set[str]:
+    return {m.subject or "" for m in await stream_messages(hub.js, "FLEET_TELEMETRY")}
 
 
 async def _confirmed(hub: Hub, device_id: str, seq: int) -> bool:
@@ -72,7 +97,8 @@ async def test_reimaged_device_loses_nothing_and_runs_no_command_twice(
     command is answered by the new incarnation without running."""
     counter = counter_program(tmp_path)
     ran = tmp_path / "runs"
-    a = await hub.device("a", sections={"commands": {"exec_allow": [[*counter, "*"]]}})
+    commands = {"commands": {"exec_allow": [[*counter, "*"]]}}
+    a = await hub.device("a", sections=PACKED | commands)
     await _publish(a, range(20))
     before = await send_command(hub, "a", "exec", {"argv": [*counter, str(ran), "0"]})
     await eventually(lambda: _results(hub, before.id), timeout=TIMEOUT, what="first result")
@@ -91,6 +117,7 @@ async def test_reimaged_device_loses_nothing_and_runs_no_command_twice(
 
     await eventually(lambda: _readings(hub, "a", 45), timeout=TIMEOUT, what="45 readings")
     assert [json.loads(d)["t"] for d in await _hub_rows(hub, "fleet.a.tele.temp")] == [*range(45)]
+    assert await _subjects(hub) == {f"fleet.a.{PACK_SUBJECT}"}, "in packs only"
     ok = await eventually(lambda: _results(hub, after.id), timeout=TIMEOUT, what="new result")
     assert ok[0]["status"] == "ok"
     answers = await eventually(
@@ -130,7 +157,7 @@ async def _has(results: Any, count: int) -> list[dict[str, Any]]:
 async def test_reimage_while_the_link_is_down(hub: Hub) -> None:
     """Re-imaged and filled while cut off: when the link returns, the hub mirrors the new
     incarnation from sequence 1 and keeps the old one's readings."""
-    a = await hub.device("a")
+    a = await hub.device("a", sections=PACKED)
     await _publish(a, range(10))
     await eventually(lambda: _readings(hub, "a", 10), timeout=TIMEOUT, what="10 readings")
     a.proxy.cut()
@@ -145,6 +172,7 @@ async def test_reimage_while_the_link_is_down(hub: Hub) -> None:
     values = [json.loads(d)["t"] for d in await _hub_rows(hub, "fleet.a.tele.temp")]
     assert values == [*range(30)]
     assert len(await _incarnations(hub, "a", 2)) == 2
+    assert await _subjects(hub) == {f"fleet.a.{PACK_SUBJECT}"}, "in packs only"
 
 
 async def test_two_reimages_in_a_row(hub: Hub) -> None:
@@ -174,7 +202,8 @@ async def test_lost_agent_state_with_the_store_kept_runs_no_command_again(
     sent afterwards runs."""
     counter = counter_program(tmp_path)
     ran = tmp_path / "runs"
-    a = await hub.device("a", sections={"commands": {"exec_allow": [[*counter, "*"]]}})
+    commands = {"commands": {"exec_allow": [[*counter, "*"]]}}
+    a = await hub.device("a", sections=PACKED | commands)
     before = await send_command(hub, "a", "exec", {"argv": [*counter, str(ran), "0"]})
     await eventually(lambda: _results(hub, before.id), timeout=TIMEOUT, what="first result")
 

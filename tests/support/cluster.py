@@ -11,7 +11,7 @@ import json
 import shutil
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,7 +28,7 @@ from edge_agent.commands.handlers import Handler
 from edge_agent.core.config import Config, parse_config
 from edge_agent.protocol.monitor import Monitor
 from edge_agent.protocol.natsserver import resolve_nats_server
-from edge_agent.protocol.pack import PACK_HEADER, PACK_SUBJECT, decode
+from edge_agent.protocol.pack import PACK_HEADER, PACK_SUBJECT, Reading, decode
 from edge_agent.protocol.tomlconf import format_sync
 from hub_ingest.core.connect import close_quietly
 from hub_ingest.fleet.enrol import enrol
@@ -306,6 +306,11 @@ async def mirror_live(js: JetStreamContext, stream: str) -> bool:
     return active is not None and 0 <= active < 2e9
 
 
+def packed_readings(msgs: Iterable[RawStreamMsg]) -> list[Reading]:
+    """The readings the packs (`hub.pack`) among `msgs` hold, in order."""
+    return [r for m in msgs if PACK_HEADER in (m.headers or {}) for r in decode(m.data or b"")]
+
+
 async def hub_has_reading(js: JetStreamContext, device_id: str, subject: str) -> bool:
     """Whether the telemetry aggregate holds a reading of `device_id` published on `subject`,
     alone or in a pack (`hub.pack`)."""
@@ -313,12 +318,8 @@ async def hub_has_reading(js: JetStreamContext, device_id: str, subject: str) ->
     if (await js.stream_info("FLEET_TELEMETRY", subjects_filter=alone)).state.subjects:
         return True
     packs = f"fleet.{device_id}.{PACK_SUBJECT}"
-    return any(
-        reading.subject == subject
-        for msg in await stream_messages(js, "FLEET_TELEMETRY")
-        if msg.subject == packs and PACK_HEADER in (msg.headers or {})
-        for reading in decode(msg.data or b"")
-    )
+    msgs = [m for m in await stream_messages(js, "FLEET_TELEMETRY") if m.subject == packs]
+    return any(reading.subject == subject for reading in packed_readings(msgs))
 
 
 def run_cli(module: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:

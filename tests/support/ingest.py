@@ -10,12 +10,12 @@ import pyarrow as pa
 from nats.js import JetStreamContext
 from pyspark.sql import SparkSession
 
-from edge_agent.protocol.pack import PACK_HEADER, PACK_SUBJECT, decode
+from edge_agent.protocol.pack import PACK_HEADER, PACK_SUBJECT
 from hub_ingest.archive import table
 from hub_ingest.core.config import HubConfig
 from hub_ingest.ingest.job import IngestSummary, ingest
 from hub_ingest.local.fleet import stream_messages
-from tests.support.cluster import Hub
+from tests.support.cluster import Hub, packed_readings
 
 
 def ingest_config(hub: Hub, **ingest_overrides: Any) -> HubConfig:
@@ -49,7 +49,8 @@ async def readings_held(js: JetStreamContext, stream: str) -> int:
     if not info.state.subjects:
         return info.state.messages
     msgs = await stream_messages(js, stream)
-    return sum(len(decode(m.data or b"")) if PACK_HEADER in (m.headers or {}) else 1 for m in msgs)
+    loose = sum(PACK_HEADER not in (m.headers or {}) for m in msgs)
+    return loose + len(packed_readings(msgs))
 
 
 def row_count(config: HubConfig) -> int:
