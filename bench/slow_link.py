@@ -75,6 +75,9 @@ SHAPES = {
 READING_BYTES = 200
 DAY = 86_400  # a day of readings at 1 Hz
 SUBJECT = "tele.line.temperature"
+# How often the hub is asked during a drain: its end is timed to within this, and a TCP
+# copy's exactly (a 0.25 s poll added ~0.1 s to a drain of 5 s).
+POLL_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -263,7 +266,7 @@ async def _until_drained(
             device.proxy.restore()
         if at_hub >= readings and last >= readings and offline_s >= 0:
             break
-        await asyncio.sleep(0.25)
+        await asyncio.sleep(POLL_S)
     return command_s, offline_s, resumed_s
 
 

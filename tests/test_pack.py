@@ -361,3 +361,27 @@ async def test_an_island_made_unpacked_crosses_unpacked_under_an_agent_that_pack
     assert not [m for m in msgs if PACK_HEADER in (m.headers or {})]
     assert [json.loads(m.data)["i"] for m in msgs] == list(range(10))
     assert "READINGS" not in [info.config.name for info in await device.js.streams_info()]
+
+
+async def test_an_island_made_packed_keeps_packing_when_the_operator_turns_packing_off(
+    hub: Hub,
+) -> None:
+    """`hub.pack = false` set on a device whose island already packs: the island keeps the
+    form it was made with (the hub's mirror and the archive read its sequences as
+    ``READINGS``'), so its telemetry keeps crossing in packs, none lost or twice, and the
+    readings waiting in ``READINGS`` are not stranded there."""
+    device = await hub.device("p1", register_when_ready=True, sections=PACKED)
+    await _publish(device, 0, 5)
+    await eventually(lambda: aggregate_has(hub, "FLEET_TELEMETRY", 5), timeout=RESUME_TIMEOUT)
+    device.proxy.cut()
+    await device.wait_link(up=False)
+    await _publish(device, 5, 5)  # waiting in READINGS across the change
+    await device.stop()
+    device.config = replace(device.config, hub=replace(device.config.hub, pack=False))
+    await device.start()
+    await _publish(device, 10, 5)
+    device.proxy.restore()
+    await eventually(lambda: aggregate_has(hub, "FLEET_TELEMETRY", 15), timeout=RESUME_TIMEOUT)
+    msgs = await stream_messages(hub.js, "FLEET_TELEMETRY")
+    assert all(PACK_HEADER in (m.headers or {}) for m in msgs), "in packs only"
+    assert [json.loads(r.data)["i"] for r in packed_readings(msgs)] == list(range(15))
