@@ -4,19 +4,21 @@ A device fills while its link is cut (about 30 s of the raw link's worth of ~200
 readings, or `--readings`); the link then comes back shaped (`hub_ingest.local.link.Shape`:
 round trip, rate each way, segment loss) and the time until the hub has every reading, in
 the device's mirror and in the fleet aggregate, is measured. Each shape is run with leaf
-compression off and with nats-server's ``s2_auto``, each on a fresh hub and device, and
-against the physical limit measured through the same shaped proxy in the same run: a plain
-bulk TCP transfer of the same reading bytes, raw and snappy-compressed (s2's base format;
-the `cramjam` package). Two commands must start (their results in the island's ``EVENTS``)
-within seconds, not after the backlog: one sent while the link is cut (timed from the
-link's return: the agent reads it up the link the backlog fills, or its mirror brings it),
-one sent midway through the drain. For context it first measures how many unpacked readings a
-second the hub's store takes on this disk (`bench/hub_store.py`: each stored and fsynced in
-the mirror and in the aggregate), which can bound a compressed drain before the link does.
+compression off (not with ``--compressed-only``) and with nats-server's ``s2_auto``, each on
+a fresh hub and device, and against the physical limit measured through the same shaped
+proxy in the same run: a plain bulk TCP transfer of the same reading bytes, raw and
+snappy-compressed (s2's base format; the `cramjam` package). Two commands must start (their
+results in the island's ``EVENTS``) within seconds, not after the backlog: one sent while
+the link is cut (timed from the link's return: the agent reads it up the link the backlog
+fills, or its mirror brings it), one sent midway through the drain. For context it first
+measures how many unpacked readings a second the hub's store takes on this disk
+(`bench/hub_store.py`: each stored and fsynced in the mirror and in the aggregate), which
+can bound a compressed drain before the link does.
 
     .venv/bin/python bench/slow_link.py [--shape lte|rural|geo|all] [--readings N]
     .venv/bin/python bench/slow_link.py --day     # 86,400 readings, LTE, to the archive too
     .venv/bin/python bench/slow_link.py --no-pack # a reading a message (hub.pack = false)
+    .venv/bin/python bench/slow_link.py --shape all --readings 86400 --compressed-only
 
 Shapes: ``lte`` 100 ms, 2 Mbit/s, 1 % loss; ``rural`` 300 ms, 256 kbit/s, 5 %; ``geo``
 (geostationary satellite) 600 ms, 1 Mbit/s, 1 %.
@@ -332,26 +334,39 @@ async def tcp_seconds(data: bytes, shape: Shape) -> float:
 class ShapeRun:
     name: str
     shape: Shape
-    tcp_raw_s: float
     tcp_compressed_s: float
-    off: Drain
     compressed: Drain
+    tcp_raw_s: float | None = None  # None: `--compressed-only`
+    off: Drain | None = None
 
     def line(self) -> str:
-        off, on = self.off, self.compressed
-        return (
-            f"{self.name}: {on.readings} readings; tcp {self.tcp_raw_s:.1f}s raw, "
-            f"{self.tcp_compressed_s:.1f}s snappy | off {off.elapsed_s:.1f}s, utilization "
-            f"{off.utilization(self.shape):.2f}, tcp_ratio {self.tcp_raw_s / off.elapsed_s:.2f} "
-            f"| s2_auto {on.elapsed_s:.1f}s (resumed after {on.resumed_s:.1f}s), utilization "
-            f"{on.utilization(self.shape):.2f}, "
-            f"goodput {on.goodput_ratio(self.shape):.2f}x, "
-            f"{on.readings / on.elapsed_s:.0f} readings/s, tcp_ratio "
-            f"{self.tcp_ratio:.2f} | command started in {off.command_start_s:.2f}s and "
-            f"{on.command_start_s:.2f}s, one sent while cut {off.offline_command_s:.2f}s and "
-            f"{on.offline_command_s:.2f}s after the link returned, lost {off.lost + on.lost}, "
-            f"duplicated {off.duplicated + on.duplicated}"
+        on = self.compressed
+        parts = [f"{self.name}: {on.readings} readings; tcp {self.tcp_compressed_s:.1f}s snappy"]
+        if self.off is not None and self.tcp_raw_s is not None:
+            off = self.off
+            parts.append(
+                f"off {off.elapsed_s:.1f}s (tcp {self.tcp_raw_s:.1f}s raw), utilization "
+                f"{off.utilization(self.shape):.2f}, tcp_ratio "
+                f"{self.tcp_raw_s / off.elapsed_s:.2f}, command started in "
+                f"{off.command_start_s:.2f}s, one sent while cut {off.offline_command_s:.2f}s "
+                "after the link returned"
+            )
+        parts.append(
+            f"s2_auto {on.elapsed_s:.1f}s (resumed after {on.resumed_s:.1f}s, then "
+            f"{on.elapsed_s - on.resumed_s:.1f}s: tcp_ratio "
+            f"{self.tcp_compressed_s / (on.elapsed_s - on.resumed_s):.2f}), utilization "
+            f"{on.utilization(self.shape):.2f}, goodput {on.goodput_ratio(self.shape):.2f}x, "
+            f"{on.readings / on.elapsed_s:.0f} readings/s, tcp_ratio {self.tcp_ratio:.2f}, "
+            f"command started in {on.command_start_s:.2f}s, one sent while cut "
+            f"{on.offline_command_s:.2f}s after the link returned"
         )
+        lost = sum(d.lost for d in self.drains)
+        parts.append(f"lost {lost}, duplicated {sum(d.duplicated for d in self.drains)}")
+        return " | ".join(parts)
+
+    @property
+    def drains(self) -> list[Drain]:
+        return [d for d in (self.off, self.compressed) if d is not None]
 
     @property
     def tcp_ratio(self) -> float:
@@ -359,17 +374,25 @@ class ShapeRun:
         return self.tcp_compressed_s / self.compressed.elapsed_s
 
 
-async def run_shape(name: str, shape: Shape, readings: int, packed: bool = False) -> ShapeRun:
+async def run_shape(
+    name: str, shape: Shape, readings: int, packed: bool = False, compressed_only: bool = False
+) -> ShapeRun:
+    """A shape's drains and TCP copies: compressed, and (unless `compressed_only`) not."""
     data = b"".join(reading(i) for i in range(readings))
-    tcp_raw = await tcp_seconds(data, shape)
     tcp_compressed = await tcp_seconds(bytes(cramjam.snappy.compress(data)), shape)
-    drains = []
-    for compression in ("off", "s2_auto"):
-        with tempfile.TemporaryDirectory(prefix="slow-link-") as tmp:
-            drains.append(await drain(Path(tmp), readings, shape, compression, packed=packed))
-    run = ShapeRun(name, shape, tcp_raw, tcp_compressed, *drains)
+    compressed = await _drain_once(readings, shape, "s2_auto", packed)
+    run = ShapeRun(name, shape, tcp_compressed, compressed)
+    if not compressed_only:
+        tcp_raw = await tcp_seconds(data, shape)
+        off = await _drain_once(readings, shape, "off", packed)
+        run = ShapeRun(name, shape, tcp_compressed, compressed, tcp_raw, off)
     print(run.line(), flush=True)
     return run
+
+
+async def _drain_once(readings: int, shape: Shape, compression: str, packed: bool) -> Drain:
+    with tempfile.TemporaryDirectory(prefix="slow-link-") as tmp:
+        return await drain(Path(tmp), readings, shape, compression, packed=packed)
 
 
 async def day(packed: bool) -> Drain:
@@ -392,22 +415,20 @@ async def day(packed: bool) -> Drain:
     return run
 
 
-async def main(
-    shapes: list[str], readings: int | None, seconds: float, with_day: bool, packed: bool
-) -> None:
+async def main(args: argparse.Namespace) -> None:
     configure_logging("warning")
     with tempfile.TemporaryDirectory(prefix="slow-link-store-", dir="/var/tmp") as tmp:
         ceiling = await store_rate("always", Path(tmp), 1, 10_000, 1)
     # Unpacked, the hub stores and fsyncs each reading twice (mirror, aggregate): a drain
     # faster than the link can still be held to this by the hub's disk.
     print(f"the hub's store here takes {ceiling:.0f} unpacked readings/s", flush=True)
-    whole_day = await day(packed) if with_day else None
+    whole_day = await day(args.pack) if args.day else None
     runs = []
-    for name in shapes:
+    for name in list(SHAPES) if args.shape == "all" else [args.shape]:
         shape = SHAPES[name]
-        count = readings or int(shape.rate * seconds / READING_BYTES)
-        runs.append(await run_shape(name, shape, count, packed))
-    drains = [d for r in runs for d in (r.off, r.compressed)]
+        count = args.readings or int(shape.rate * args.seconds / READING_BYTES)
+        runs.append(await run_shape(name, shape, count, args.pack, args.compressed_only))
+    drains = [d for r in runs for d in r.drains]
     if whole_day is not None:
         drains.append(whole_day)
     day_s = f"day_backlog_s={whole_day.elapsed_s:.1f} " if whole_day else ""
@@ -432,6 +453,9 @@ if __name__ == "__main__":
         default=True,
         help="the device packs its telemetry (hub.pack, the default)",
     )
-    args = parser.parse_args()
-    chosen = list(SHAPES) if args.shape == "all" else [args.shape]
-    asyncio.run(main(chosen, args.readings, args.seconds, args.day, args.pack))
+    parser.add_argument(
+        "--compressed-only",
+        action="store_true",
+        help="skip the uncompressed drain and raw TCP copy (long on slow links, large backlogs)",
+    )
+    asyncio.run(main(parser.parse_args()))
