@@ -24,6 +24,7 @@ from hub_ingest.fleet.registry import BUCKET, Device, Incarnation, Registry
 from hub_ingest.fleet.streams import stream_names
 from hub_ingest.local.fleet import write_hub_toml
 from tests.support.cluster import Hub
+from tests.support.waiting import freeze
 
 RELOADED = "Reloaded server configuration"
 
@@ -262,7 +263,7 @@ async def test_a_hub_that_answers_late_delays_the_tools_rather_than_failing_them
     async with hub_connection(hub.config) as nc:
         js = hub_jetstream(nc, hub.config)
         await js.stream_info("COMMANDS")
-        os.kill(pid, signal.SIGSTOP)
+        await freeze(pid)
         try:
             asked = asyncio.create_task(js.stream_info("COMMANDS"))
             await asyncio.sleep(8)  # the stall's length, longer than nats-py's 5 s

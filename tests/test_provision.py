@@ -23,7 +23,7 @@ from hub_ingest.fleet.registry import Incarnation, Registry
 from hub_ingest.fleet.streams import stream_names
 from hub_ingest.local.fleet import write_hub_toml
 from tests.support.cluster import NATS_SERVER, Hub, run_cli, start_hub
-from tests.support.waiting import eventually
+from tests.support.waiting import eventually, freeze
 
 
 async def _sources(hub: Hub, stream: str) -> list[dict[str, object]]:
@@ -329,7 +329,7 @@ async def test_a_stream_is_reconciled_across_a_server_that_stops_answering_for_a
     js = hub.nc.jetstream(domain=hub.config.nats.domain, timeout=0.5)
     assert hub.server.proc is not None
     pid = hub.server.proc.pid
-    os.kill(pid, signal.SIGSTOP)
+    await freeze(pid)
     resumed = asyncio.get_running_loop().call_later(1.2, os.kill, pid, signal.SIGCONT)
     try:
         result = await reconcile_stream(js, want)

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import signal
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -39,3 +43,25 @@ async def eventually(
             failure = AssertionError(f"{what} not reached within {timeout}s (last: {last!r})")
             raise failure from last if isinstance(last, Exception) else None
         await asyncio.sleep(interval)
+
+
+async def freeze(pid: int) -> None:
+    """SIGSTOP process `pid` and wait until every one of its threads has stopped: the signal
+    takes effect asynchronously, and a thread on another core can answer a request sent
+    right after `kill` returns (CI: a stalled hub answered within its "stall")."""
+    os.kill(pid, signal.SIGSTOP)
+
+    async def stopped() -> bool:
+        return frozen(pid)
+
+    await eventually(stopped, timeout=10, interval=0.01, what=f"{pid} stopped")
+
+
+def frozen(pid: int) -> bool:
+    """Whether every thread of process `pid` is stopped (False once it is gone)."""
+    states = []
+    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            # "<tid> (<name>) <state> …", and a name may hold ") ".
+            states.append(stat.read_text().rsplit(")", 1)[1].split()[0])
+    return bool(states) and all(state in "tT" for state in states)
