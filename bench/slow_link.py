@@ -53,6 +53,7 @@ from bench.hub_store import measure as store_rate
 from edge_agent.protocol.envelope import new_envelope
 from edge_agent.protocol.logs import configure_logging
 from edge_agent.protocol.pack import PACK_HEADER, PACK_SUBJECT, pack_range
+from edge_agent.status.health import collect_status
 from hub_ingest.archive import table
 from hub_ingest.commands.send import send
 from hub_ingest.ingest.job import IngestSummary, ingest, spark_session
@@ -168,6 +169,11 @@ async def _command_start(hub: Hub, device: Device) -> float:
     return time.monotonic() - start
 
 
+async def _fenced(device: Device) -> bool:
+    status = await collect_status(device.config)
+    return status.commands is not None and status.commands.fence is not None
+
+
 async def _has_result(device: Device, command_id: str) -> bool:
     return command_id in await results(device.js, "EVENTS")
 
@@ -200,6 +206,9 @@ async def drain(
         await hub.provision()
         mirror = await hub.mirror(device.id)
         await eventually(lambda: mirror_live(hub.js, mirror), timeout=RESUME_TIMEOUT)
+        # An established device is cut: a new one's first contact also asks the hub for its
+        # command fence, a request more up the link before its first command runs.
+        await eventually(lambda: _fenced(device), timeout=RESUME_TIMEOUT, what="command fence")
         device.proxy.cut()
         await device.wait_link(up=False)
         payload = await _fill(device, readings)
