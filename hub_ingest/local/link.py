@@ -17,7 +17,6 @@ import signal
 import time
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
 
 SEGMENT = 1448  # bytes of payload in one TCP segment on a 1500-byte MTU
 QUEUE_S = 0.25  # the bottleneck's buffer: reading stops while this much is waiting to send
@@ -61,7 +60,6 @@ class LinkProxy:
         self._cut = False
         self._server: asyncio.Server | None = None
         self._pipes: set[asyncio.Task[None]] = set()
-        self._connections: set[asyncio.Task[Any]] = set()  # each connection's `_accept`
         self._writers: set[asyncio.StreamWriter] = set()
 
     @property
@@ -82,9 +80,6 @@ class LinkProxy:
         if self._server is not None:
             self._server.close()
             self._drop_all()
-            # Until each connection's pipes have ended: one still running when the event loop
-            # stops is cancelled, and asyncio logs that as an error.
-            await asyncio.gather(*self._connections, return_exceptions=True)
             await self._server.wait_closed()
             self._server = None
 
@@ -109,15 +104,6 @@ class LinkProxy:
         self._writers.clear()
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._connections.add(task)
-        try:
-            await self._connect(reader, writer)
-        finally:
-            self._connections.discard(task)
-
-    async def _connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if self._cut:
             writer.transport.abort()
             return
