@@ -38,8 +38,8 @@ REFUSED = (
 
 
 @pytest.fixture
-async def rogue(hub: Hub, tmp_path: Path) -> AsyncIterator[Client]:
-    """A client on a leaf node that signs in to the hub with device a's key."""
+async def rogue_leaf(hub: Hub, tmp_path: Path) -> AsyncIterator[ServerProcess]:
+    """A leaf node that signs in to the hub with device a's key."""
     await hub.device("a")
     port, monitor = free_port(), free_port()
     conf = tmp_path / "rogue.conf"
@@ -53,14 +53,23 @@ leafnodes {{ remotes: [ {{ urls: ["nats-leaf://127.0.0.1:{hub.leaf_port}"],
 """
     )
     server = await ServerProcess(conf, f"http://127.0.0.1:{monitor}").start()
-    await eventually(server.monitor.leaf_connected, timeout=30, what="rogue leaf connected")
+    try:
+        await eventually(server.monitor.leaf_connected, timeout=30, what="rogue leaf connected")
+        yield server
+    finally:
+        await server.stop()
+
+
+@pytest.fixture
+async def rogue(rogue_leaf: ServerProcess) -> AsyncIterator[Client]:
+    """A client on that leaf node."""
     # Replies come back only on the prefix a's key may subscribe to, as the agent's do.
+    port = (await rogue_leaf.monitor.get("/varz"))["port"]
     nc = await nats.connect(f"nats://127.0.0.1:{port}", inbox_prefix=inbox_prefix("a"))
     try:
         yield nc
     finally:
         await nc.close()
-        await server.stop()
 
 
 async def _sync(rogue: Client) -> None:
@@ -117,6 +126,36 @@ async def test_a_cannot_read_b_commands_or_fleet_data(hub: Hub, rogue: Client) -
         what="a's own command read through the hub",
     )
     assert mine.subject == "cmd.a.mine"
+
+
+async def test_a_link_carries_no_interest_of_other_devices_or_of_the_hub_alone(
+    hub: Hub, rogue_leaf: ServerProcess
+) -> None:
+    """The hub offers a device's link only what that device may send it. Each subject
+    offered costs the hub a check and a message per link whenever a stream of the fleet sets
+    itself up: flow control of every device's streams offered to every link was the fleet's
+    square (docs/scaling.md), and let a device answer for another's command mirror."""
+    b = await hub.device("b")
+    await hub.js.publish("cmd.b.ping", b"{}")
+    await b.js.publish("tele.temp", b"b-reading")
+    # b's command mirror, the hub's mirrors of b's streams and the aggregates' sources of them
+    # are all set up: each has subscribed what the hub could offer the links.
+    await eventually(
+        lambda: _has(b, "cmd.b.ping"), timeout=RESUME_TIMEOUT, what="b's mirror has it"
+    )
+    await eventually(
+        lambda: _in_hub_stream(hub, "FLEET_TELEMETRY", "fleet.b.tele.temp"), timeout=60
+    )
+    offered = await _offered(rogue_leaf)
+    assert any(s.startswith("$JS.FC.CMD_a.") for s in offered), offered  # a's own: kept
+    foreign = [s for s in offered if "CMD_b" in s or "_b_" in s or "HUB_" in s or "JS_SRC" in s]
+    assert foreign == [], foreign
+
+
+async def _offered(leaf: ServerProcess) -> list[str]:
+    """The subjects the hub has told this leaf node it wants."""
+    (link,) = (await leaf.monitor.get("/leafz?subs=1"))["leafs"]
+    return list(link.get("subscriptions_list") or [])
 
 
 async def test_a_cannot_mirror_b_commands_or_publish_commands(hub: Hub, rogue: Client) -> None:

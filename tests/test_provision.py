@@ -142,9 +142,16 @@ async def test_device_cli_round_trip(hub: Hub, tmp_path: Path) -> None:
     code, out, _ = await asyncio.to_thread(cli, "device", "remove", "truck-7")
     assert code == 0
     assert await _sources(hub, "FLEET_EVENTS") == []
-    code, out, _ = await asyncio.to_thread(cli, "provision")
+    # A users file an older release wrote (or one edited by hand) is rewritten and the hub
+    # reloaded: an upgraded hub takes the permissions this release renders.
+    auth = hub.config.server.auth_file
+    current = auth.read_text()
+    auth.write_text(current.replace("jetstream: enabled", "jetstream: enabled  # old"))
+    code, out, err = await asyncio.to_thread(cli, "provision")
     assert code == 0
     assert "COMMANDS" in out
+    assert f"{auth} rewritten from the registry" in err
+    assert auth.read_text() == current
 
 
 async def test_a_key_the_hub_refuses_is_an_error_naming_it(hub: Hub, tmp_path: Path) -> None:

@@ -98,8 +98,12 @@ def device_permissions(device: Device, hub_domain: str) -> dict[str, Any]:
                 f"{api}.DIRECT.GET.{releases}",
                 f"{to_hub_prefix(device.device_id)}.>",
                 f"{hub_reply_prefix(device.device_id)}.>",
-                # Flow control of mirrors and replies to mirror set-up carry no data.
-                "$JS.FC.>",
+                # Flow control of its command mirror, in both of nats-server's subject forms.
+                # No wider: every subscription the hub's streams make on a subject a device
+                # may publish to is sent to that device's leaf, so `$JS.FC.>` here sent every
+                # device every flow-control and set-up subject of the fleet (quadratic).
+                f"$JS.FC.{commands}.>",
+                f"$JS.FC.{hub_domain}.*.{commands}.>",
                 "$JSC.R.>",
             ]
         },
