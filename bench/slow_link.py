@@ -53,7 +53,6 @@ from bench.hub_store import measure as store_rate
 from edge_agent.protocol.envelope import new_envelope
 from edge_agent.protocol.logs import configure_logging
 from edge_agent.protocol.pack import PACK_HEADER, PACK_SUBJECT, pack_range
-from edge_agent.status.health import collect_status
 from hub_ingest.archive import table
 from hub_ingest.commands.send import send
 from hub_ingest.ingest.job import IngestSummary, ingest, spark_session
@@ -66,7 +65,7 @@ from tests.support.cluster import (
     start_hub,
     stream_messages,
 )
-from tests.support.commands import results
+from tests.support.commands import command_fence, results
 from tests.support.waiting import RESUME_TIMEOUT, eventually
 
 LTE = Shape(rtt=0.1, rate=2_000_000 / 8)
@@ -170,8 +169,7 @@ async def _command_start(hub: Hub, device: Device) -> float:
 
 
 async def _fenced(device: Device) -> bool:
-    status = await collect_status(device.config)
-    return status.commands is not None and status.commands.fence is not None
+    return await command_fence(device) is not None  # 0 for a device sent nothing yet
 
 
 async def _has_result(device: Device, command_id: str) -> bool:
@@ -390,11 +388,11 @@ async def run_shape(
     data = b"".join(reading(i) for i in range(readings))
     tcp_compressed = await tcp_seconds(bytes(cramjam.snappy.compress(data)), shape)
     compressed = await _drain_once(readings, shape, "s2_auto", packed)
-    run = ShapeRun(name, shape, tcp_compressed, compressed)
+    tcp_raw, off = None, None
     if not compressed_only:
         tcp_raw = await tcp_seconds(data, shape)
         off = await _drain_once(readings, shape, "off", packed)
-        run = ShapeRun(name, shape, tcp_compressed, compressed, tcp_raw, off)
+    run = ShapeRun(name, shape, tcp_compressed, compressed, tcp_raw, off)
     print(run.line(), flush=True)
     return run
 

@@ -263,8 +263,8 @@ async def test_a_hub_that_answers_late_delays_the_tools_rather_than_failing_them
     async with hub_connection(hub.config) as nc:
         js = hub_jetstream(nc, hub.config)
         await js.stream_info("COMMANDS")
-        await freeze(pid)
         try:
+            await freeze(pid)
             asked = asyncio.create_task(js.stream_info("COMMANDS"))
             await asyncio.sleep(8)  # the stall's length, longer than nats-py's 5 s
             assert not asked.done(), asked

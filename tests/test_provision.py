@@ -336,12 +336,14 @@ async def test_a_stream_is_reconciled_across_a_server_that_stops_answering_for_a
     js = hub.nc.jetstream(domain=hub.config.nats.domain, timeout=0.5)
     assert hub.server.proc is not None
     pid = hub.server.proc.pid
-    await freeze(pid)
-    resumed = asyncio.get_running_loop().call_later(1.2, os.kill, pid, signal.SIGCONT)
+    resumed: asyncio.TimerHandle | None = None
     try:
+        await freeze(pid)
+        resumed = asyncio.get_running_loop().call_later(1.2, os.kill, pid, signal.SIGCONT)
         result = await reconcile_stream(js, want)
     finally:
-        resumed.cancel()
+        if resumed is not None:
+            resumed.cancel()
         os.kill(pid, signal.SIGCONT)
     assert result.change == "created"
     assert (await hub.js.stream_info("PAUSED")).config.subjects == ["paused.>"]

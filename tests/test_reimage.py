@@ -21,7 +21,6 @@ from pyspark.sql import SparkSession
 
 from edge_agent.protocol.names import ISLAND_CONSUMER, command_stream
 from edge_agent.protocol.pack import PACK_SUBJECT
-from edge_agent.status.health import collect_status
 from hub_ingest.archive.audit import audit_archive
 from hub_ingest.commands.send import command_status
 from hub_ingest.fleet.registry import Registry
@@ -31,11 +30,11 @@ from tests.support.cluster import (
     PACKED,
     Device,
     Hub,
-    packed_readings,
+    hub_readings,
     start_hub,
     stream_messages,
 )
-from tests.support.commands import counter_program, runs, send_command
+from tests.support.commands import command_fence, counter_program, runs, send_command
 from tests.support.ingest import ingest_config, run_once, telemetry
 from tests.support.waiting import eventually
 
@@ -47,18 +46,9 @@ async def _publish(device: Device, values: range) -> None:
         await device.js.publish("tele.temp", json.dumps({"t": i}).encode())
 
 
-async def _hub_rows(hub: Hub, subject: str) -> list[bytes]:
-    """The bodies of the readings on `subject` (``fleet.<id>.tele.…``) in the telemetry
-    aggregate, in its order: each alone, or in the device's packs (`hub.pack`)."""
-    device_id, local = subject.split(".", 2)[1:]
-    packs = f"fleet.{device_id}.{PACK_SUBJECT}"
-    rows = []
-    for msg in await stream_messages(hub.js, "FLEET_TELEMETRY"):
-        if msg.subject == subject:
-            rows.append(msg.data or b"")
-        elif msg.subject == packs:
-            rows += [r.data for r in packed_readings([msg]) if r.subject == local]
-    return rows
+async def _temps(hub: Hub) -> list[int]:
+    """Device a's readings in the telemetry aggregate, in its order."""
+    return [json.loads(d)["t"] for d in await hub_readings(hub.js, "a", "tele.temp")]
 
 
 async def _subjects(hub: Hub) -> set[str]:
@@ -73,7 +63,7 @@ async def _confirmed(hub: Hub, device_id: str, seq: int) -> bool:
 
 
 async def _readings(hub: Hub, device_id: str, count: int) -> bool:
-    return len(await _hub_rows(hub, f"fleet.{device_id}.tele.temp")) >= count
+    return len(await hub_readings(hub.js, device_id, "tele.temp")) >= count
 
 
 async def _results(hub: Hub, command_id: str) -> list[dict[str, Any]]:
@@ -116,7 +106,7 @@ async def test_reimaged_device_loses_nothing_and_runs_no_command_twice(
     after = await send_command(hub, "a", "ping")
 
     await eventually(lambda: _readings(hub, "a", 45), timeout=TIMEOUT, what="45 readings")
-    assert [json.loads(d)["t"] for d in await _hub_rows(hub, "fleet.a.tele.temp")] == [*range(45)]
+    assert await _temps(hub) == [*range(45)]
     assert await _subjects(hub) == {f"fleet.a.{PACK_SUBJECT}"}, "in packs only"
     ok = await eventually(lambda: _results(hub, after.id), timeout=TIMEOUT, what="new result")
     assert ok[0]["status"] == "ok"
@@ -164,12 +154,12 @@ async def test_reimage_while_the_link_is_down(hub: Hub) -> None:
     await a.wait_link(up=False)
     await a.reimage()
     await _publish(a, range(10, 30))
-    assert await _hub_rows(hub, "fleet.a.tele.temp") == [
+    assert await hub_readings(hub.js, "a", "tele.temp") == [
         json.dumps({"t": i}).encode() for i in range(10)
     ]
     a.proxy.restore()
     await eventually(lambda: _readings(hub, "a", 30), timeout=TIMEOUT, what="30 readings")
-    values = [json.loads(d)["t"] for d in await _hub_rows(hub, "fleet.a.tele.temp")]
+    values = await _temps(hub)
     assert values == [*range(30)]
     assert len(await _incarnations(hub, "a", 2)) == 2
     assert await _subjects(hub) == {f"fleet.a.{PACK_SUBJECT}"}, "in packs only"
@@ -190,7 +180,7 @@ async def test_two_reimages_in_a_row(hub: Hub) -> None:
     await _publish(a, range(12, 20))
     await eventually(lambda: _readings(hub, "a", 20), timeout=TIMEOUT, what="20 readings")
     assert len(await _incarnations(hub, "a", 3)) == 3
-    values = [json.loads(d)["t"] for d in await _hub_rows(hub, "fleet.a.tele.temp")]
+    values = await _temps(hub)
     assert sorted(values) == [*range(20)]
 
 
@@ -212,11 +202,7 @@ async def test_lost_agent_state_with_the_store_kept_runs_no_command_again(
         path.unlink()
     await a.start()
 
-    async def fence() -> int | None:
-        status = await collect_status(a.config)
-        return None if status.commands is None else status.commands.fence
-
-    assert await eventually(fence, timeout=TIMEOUT, what="command fence") >= 1
+    assert await eventually(lambda: command_fence(a), timeout=TIMEOUT, what="fence") >= 1
     after = await send_command(hub, "a", "exec", {"argv": [*counter, str(ran), "0"]})
     (result,) = await eventually(lambda: _results(hub, after.id), timeout=TIMEOUT)
     assert result["status"] == "ok"

@@ -136,6 +136,8 @@ def new_island(
             "reconnect": reconnect,
             "reconnect_spread": spread,
             "compression": compression,
+            # No agent packs here: the bench publishes one plain reading to each stream.
+            "pack": False,
         },
     }
     config = parse_config(data)

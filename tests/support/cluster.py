@@ -311,15 +311,26 @@ def packed_readings(msgs: Iterable[RawStreamMsg]) -> list[Reading]:
     return [r for m in msgs if PACK_HEADER in (m.headers or {}) for r in decode(m.data or b"")]
 
 
+async def hub_readings(js: JetStreamContext, device_id: str, subject: str) -> list[bytes]:
+    """The bodies of `device_id`'s readings published on `subject` in the telemetry
+    aggregate, in its order: each alone, or in the device's packs (`hub.pack`)."""
+    alone, packs = f"fleet.{device_id}.{subject}", f"fleet.{device_id}.{PACK_SUBJECT}"
+    bodies: list[bytes] = []
+    for msg in await stream_messages(js, "FLEET_TELEMETRY"):
+        if msg.subject == alone:
+            bodies.append(msg.data or b"")
+        elif msg.subject == packs:
+            bodies += [r.data for r in packed_readings([msg]) if r.subject == subject]
+    return bodies
+
+
 async def hub_has_reading(js: JetStreamContext, device_id: str, subject: str) -> bool:
     """Whether the telemetry aggregate holds a reading of `device_id` published on `subject`,
     alone or in a pack (`hub.pack`)."""
     alone = f"fleet.{device_id}.{subject}"
     if (await js.stream_info("FLEET_TELEMETRY", subjects_filter=alone)).state.subjects:
         return True
-    packs = f"fleet.{device_id}.{PACK_SUBJECT}"
-    msgs = [m for m in await stream_messages(js, "FLEET_TELEMETRY") if m.subject == packs]
-    return any(reading.subject == subject for reading in packed_readings(msgs))
+    return bool(await hub_readings(js, device_id, subject))
 
 
 def run_cli(module: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:

@@ -9,8 +9,9 @@ from typing import Any
 
 from nats.js import JetStreamContext
 
+from edge_agent.status.health import collect_status
 from hub_ingest.commands.send import Envelope, new_envelope, send
-from tests.support.cluster import Hub, stream_messages
+from tests.support.cluster import Device, Hub, stream_messages
 
 # Appends a line to argv[1], then sleeps argv[2] seconds: a handler whose runs can be counted
 # and which can be caught in the middle.
@@ -50,3 +51,9 @@ async def results(js: JetStreamContext, stream: str) -> dict[str, dict[str, Any]
             body = json.loads(msg.data)
             out.setdefault(body["command_id"] or f"@seq:{body['seq']}", body)
     return out
+
+
+async def command_fence(device: Device) -> int | None:
+    """The device's command fence as its `status` shows it (None until the agent has one)."""
+    status = await collect_status(device.config)
+    return None if status.commands is None else status.commands.fence
