@@ -85,6 +85,9 @@ def main() -> int:
         default="0s",
         help="the islands' hub.reconnect_spread (the product's: 0s)",
     )
+    parser.add_argument(
+        "--keep", action="store_true", help="keep the run's directory (servers' logs) and name it"
+    )
     parser.add_argument("--idle", type=float, default=10.0, help="idle CPU window, seconds")
     parser.add_argument("--timeout", type=float, default=180.0, help="for each awaited state")
     parser.add_argument(
@@ -121,7 +124,10 @@ def main() -> int:
         killed = kill_spawned(root)
         if killed:
             print(f"killed {killed} processes left running", file=sys.stderr)
-        shutil.rmtree(root, ignore_errors=True)
+        if args.keep:
+            print(f"kept {root}", file=sys.stderr)
+        else:
+            shutil.rmtree(root, ignore_errors=True)
     summarise(results, args)
     return 0
 

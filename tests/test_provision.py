@@ -147,10 +147,10 @@ async def test_device_cli_round_trip(hub: Hub, tmp_path: Path) -> None:
     auth = hub.config.server.auth_file
     current = auth.read_text()
     auth.write_text(current.replace("jetstream: enabled", "jetstream: enabled  # old"))
-    code, out, err = await asyncio.to_thread(cli, "provision")
+    code, out, _ = await asyncio.to_thread(cli, "provision")
     assert code == 0
     assert "COMMANDS" in out
-    assert f"{auth} rewritten from the registry" in err
+    assert f"{auth} rewritten" in out  # a change, for Ansible's changed_when
     assert auth.read_text() == current
 
 

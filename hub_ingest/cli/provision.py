@@ -81,7 +81,7 @@ async def _provision(config: HubConfig, adopt: bool) -> int:
         js = hub_jetstream(nc, config)
         # The users file as this release renders it: an upgraded hub takes new permissions.
         if await sync_users(js, config):
-            print(f"{config.server.auth_file} rewritten from the registry", file=sys.stderr)
+            print(f"{config.server.auth_file!s:<24} rewritten")
         registry = await Registry.open(js)
         for result in await provision(js, config, await registry.list(), adopt=adopt):
             print(f"{result.name:<24} {result.change}")

@@ -99,11 +99,12 @@ def device_permissions(device: Device, hub_domain: str) -> dict[str, Any]:
                 f"{to_hub_prefix(device.device_id)}.>",
                 f"{hub_reply_prefix(device.device_id)}.>",
                 # Flow control of its command mirror, in both of nats-server's subject forms.
-                # No wider: every subscription the hub's streams make on a subject a device
-                # may publish to is sent to that device's leaf, so `$JS.FC.>` here sent every
-                # device every flow-control and set-up subject of the fleet (quadratic).
+                # No wider: the hub tells a link of every subscription on a subject its
+                # device may publish, so `$JS.FC.>` here told every link every flow-control
+                # subject of the fleet (its square, docs/scaling.md).
                 f"$JS.FC.{commands}.>",
                 f"$JS.FC.{hub_domain}.*.{commands}.>",
+                # Answers to the hub mirrors' set-up: random subjects, no narrower form.
                 "$JSC.R.>",
             ]
         },
