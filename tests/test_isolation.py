@@ -80,12 +80,8 @@ async def _sync(rogue: Client) -> None:
 
 async def test_a_cannot_read_b_commands_or_fleet_data(hub: Hub, rogue: Client) -> None:
     """Direct gets, consumers and stream info on B's or the fleet's streams are refused."""
-    b = await hub.device("b")
-    await hub.js.publish("cmd.b.secret", b"{}")
+    await _b_in_use(hub, "cmd.b.secret")
     await hub.js.publish("cmd.a.mine", b"{}")
-    await eventually(
-        lambda: _has(b, "cmd.b.secret"), timeout=RESUME_TIMEOUT, what="b has its command"
-    )
     # CMD_a takes its commands from COMMANDS by a source, which may be in nats-server's retry
     # on a loaded machine (seen once in CI: not there 30 s on): the read below tests the
     # permissions, not that.
@@ -93,10 +89,6 @@ async def test_a_cannot_read_b_commands_or_fleet_data(hub: Hub, rogue: Client) -
         lambda: _in_hub_stream(hub, "CMD_a", "cmd.a.mine"),
         timeout=RESUME_TIMEOUT,
         what="CMD_a holds a's command",
-    )
-    await b.js.publish("tele.temp", b"b-reading")
-    await eventually(
-        lambda: _in_hub_stream(hub, "FLEET_TELEMETRY", "fleet.b.tele.temp"), timeout=60
     )
     hub_js = rogue.jetstream(domain="hub", timeout=2)
     b_mirror = await hub.mirror("b")
@@ -135,23 +127,27 @@ async def test_a_link_carries_no_interest_of_other_devices_or_of_the_hub_alone(
     offered costs the hub a check and a message per link whenever a stream of the fleet sets
     itself up: flow control of every device's streams offered to every link was the fleet's
     square (docs/scaling.md), and let a device answer for another's command mirror."""
-    b = await hub.device("b")
-    await hub.js.publish("cmd.b.ping", b"{}")
-    await b.js.publish("tele.temp", b"b-reading")
     # b's command mirror, the hub's mirrors of b's streams and the aggregates' sources of them
     # are all set up: each has subscribed what the hub could offer the links.
-    await eventually(
-        lambda: _has(b, "cmd.b.ping"), timeout=RESUME_TIMEOUT, what="b's mirror has it"
-    )
-    await eventually(
-        lambda: _in_hub_stream(hub, "FLEET_TELEMETRY", "fleet.b.tele.temp"), timeout=60
-    )
+    await _b_in_use(hub, "cmd.b.ping")
     # a's own command mirror's flow control is still offered (its mirror may be set up later).
     offered = await eventually(
         lambda: _offered(rogue_leaf, "$JS.FC.CMD_a."), timeout=60, what="a's own offered"
     )
     foreign = [s for s in offered if "CMD_b" in s or "_b_" in s or "HUB_" in s or "JS_SRC" in s]
     assert foreign == [], foreign
+
+
+async def _b_in_use(hub: Hub, command: str) -> None:
+    """Add device b and wait until `command` is in its command mirror and a reading of b's
+    (`tele.temp`) in the telemetry aggregate."""
+    b = await hub.device("b")
+    await hub.js.publish(command, b"{}")
+    await b.js.publish("tele.temp", b"b-reading")
+    await eventually(lambda: _has(b, command), timeout=RESUME_TIMEOUT, what="b has its command")
+    await eventually(
+        lambda: _in_hub_stream(hub, "FLEET_TELEMETRY", "fleet.b.tele.temp"), timeout=60
+    )
 
 
 async def _offered(leaf: ServerProcess, including: str) -> list[str] | None:
