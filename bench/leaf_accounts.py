@@ -1,12 +1,14 @@
 """Which account the devices' leaf connections bind to on the hub, measured at fleet size.
 
-`one`, as the product does today: the devices' users are in the hub's JetStream account, so
-every connection a leaf makes has nats-server look at every mirror and source of that
-account (`checkInternalSyncConsumers`), and every subscription the hub's streams make is
-checked against every linked leaf. `split`: the devices' users are in an account of their own
-with no JetStream, from which the hub's account imports what its mirrors need: the islands'
-JetStream API (as ``DEVJS.<domain>.API``), flow-control replies, replies to set-up, and the
-deliveries on ``hubin.>``. Each device here is a bare island (nats-server at niceness 19)
+`one`, as the product did until 2026-11-28: the devices' users are in the hub's JetStream
+account, so every connection a leaf makes has nats-server look at every mirror and source of
+that account (`checkInternalSyncConsumers`), and every subscription the hub's streams make
+is checked against every linked leaf. `split`: the devices' users are in an account of their
+own with no JetStream, from which the hub's account imports what its mirrors need: the
+islands' JetStream API (as ``DEVJS.<domain>.API``), flow-control replies, replies to set-up,
+and the deliveries on ``hubin.>``. The product took this shape then, with the command
+direction too and each island's API imported under its own name (`hub_ingest/fleet/auth.py`).
+Each device here is a bare island (nats-server at niceness 19)
 with two streams, each with the durable flow-controlled consumer the hub's mirror binds to,
 as the agent makes them; the hub mirrors both and one aggregate sources every telemetry
 mirror. As in the product on loopback, the links are uncompressed and the hub runs with

@@ -11,19 +11,27 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from nats.js import JetStreamContext
 from nats.js.api import StreamConfig, StreamInfo
 
 from edge_agent.protocol.reconcile import reconcile_stream
 from hub_ingest.commands.send import new_envelope, send
 from hub_ingest.core.errors import RegistryError
-from hub_ingest.fleet.auth import ensure_operator_key, public_key
+from hub_ingest.fleet.auth import ensure_operator_key, public_key, reload_server
 from hub_ingest.fleet.clashes import subjects_overlap
 from hub_ingest.fleet.provision import provision
 from hub_ingest.fleet.registry import Incarnation, Registry
 from hub_ingest.fleet.streams import stream_names
 from hub_ingest.local.fleet import write_hub_toml
-from tests.support.cluster import NATS_SERVER, Hub, run_cli, start_hub
-from tests.support.waiting import eventually, freeze
+from tests.support.cluster import (
+    NATS_SERVER,
+    Device,
+    Hub,
+    hub_has_reading,
+    run_cli,
+    start_hub,
+)
+from tests.support.waiting import RESUME_TIMEOUT, eventually, freeze
 
 
 async def _sources(hub: Hub, stream: str) -> list[dict[str, object]]:
@@ -146,12 +154,80 @@ async def test_device_cli_round_trip(hub: Hub, tmp_path: Path) -> None:
     # reloaded: an upgraded hub takes the permissions this release renders.
     auth = hub.config.server.auth_file
     current = auth.read_text()
-    auth.write_text(current.replace("jetstream: enabled", "jetstream: enabled  # old"))
+    auth.write_text(current + "# edited by hand\n")
     code, out, _ = await asyncio.to_thread(cli, "provision")
     assert code == 0
     assert "COMMANDS" in out
     assert f"{auth} rewritten" in out  # a change, for Ansible's changed_when
     assert auth.read_text() == current
+
+
+def _one_account(auth_text: str) -> str:
+    """The users file of releases before 2026-11-28: the devices' users in the streams'
+    account, with the mirrors' set-up answers (``$JSC.R.>``) and the hub's requests'
+    (``_HUBINBOX.<id>.>``) theirs to publish."""
+    users = [line.strip().rstrip(",") for line in auth_text.splitlines() if '"nkey"' in line]
+    for i, user in enumerate(users):
+        users[i] = user.replace('"_R_.>"', '"_R_.>", "$JSC.R.>", "_HUBINBOX.a.>"')
+    return "accounts {{\nFLEET: {{ jetstream: enabled, users: [ {} ] }}\nSYS: {{}}\n}}\n".format(
+        ",\n".join(users)
+    )
+
+
+async def _bound_to(hub: Hub, account: str) -> bool:
+    """Whether the hub's one leaf connection is bound to `account`."""
+    leafs = (await hub.server.monitor.get("/leafz"))["leafs"] or []
+    return [leaf["account"] for leaf in leafs] == [account]
+
+
+async def test_an_upgraded_hub_moves_its_linked_devices_to_their_own_account(
+    hub: Hub, tmp_path: Path
+) -> None:
+    """A hub upgraded from a release that bound the devices to the streams' account takes
+    the new accounts at `provision`. nats-server leaves a linked device where it was until
+    its link drops (a reload does not move leaf connections), and it carries on both ways
+    there, then in its own account."""
+    device = await hub.device("a", register_when_ready=True, start=False)
+    auth = hub.config.server.auth_file
+    auth.write_text(_one_account(auth.read_text()))
+    await reload_server(hub.config)
+    await device.start()
+    await hub.register("a")
+    await eventually(lambda: _bound_to(hub, "FLEET"), timeout=30, what="a linked to FLEET")
+    await _both_ways(hub, device, "old")
+
+    config = write_hub_toml(hub.config, tmp_path / "hub.toml")
+    result = await asyncio.to_thread(run_cli, "hub_ingest", "-c", str(config), "provision")
+    assert result.returncode == 0, result.stderr
+    assert f"{auth} rewritten" in result.stdout
+    assert await _bound_to(hub, "FLEET")
+    await _both_ways(hub, device, "reloaded")
+
+    device.proxy.cut()
+    await device.wait_link(up=False)
+    device.proxy.restore()
+    await eventually(lambda: _bound_to(hub, "DEVICES"), timeout=30, what="a moved to DEVICES")
+    await _both_ways(hub, device, "new")
+
+
+async def _both_ways(hub: Hub, device: Device, label: str) -> None:
+    """A reading reaches the hub's aggregate and a command the island's mirror."""
+    await device.js.publish(f"tele.{label}", b"1")
+    await hub.js.publish(f"cmd.{device.id}.{label}", b"{}")
+    await eventually(
+        lambda: hub_has_reading(hub.js, device.id, f"tele.{label}"),
+        timeout=RESUME_TIMEOUT,
+        what=f"the {label} reading at the hub",
+    )
+    await eventually(
+        lambda: _has(device.js, "COMMANDS", f"cmd.{device.id}.{label}"),
+        timeout=RESUME_TIMEOUT,
+        what=f"the {label} command on the island",
+    )
+
+
+async def _has(js: JetStreamContext, stream: str, subject: str) -> bool:
+    return bool((await js.stream_info(stream, subjects_filter=subject)).state.subjects)
 
 
 async def test_a_key_the_hub_refuses_is_an_error_naming_it(hub: Hub, tmp_path: Path) -> None:

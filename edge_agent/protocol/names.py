@@ -63,8 +63,9 @@ def inbox_prefix(device_id: str) -> str:
 
 
 def hub_reply_prefix(device_id: str) -> str:
-    """Reply subjects of the hub's own requests to this device's island (which may answer
-    on them and on no other device's): a device cannot forge another's answers."""
+    """Reply subjects of the hub's own requests to this device's island. A device linked to
+    the devices' account answers on the random subject that account hands it instead; one
+    still linked as releases before 2026-11-28 bound it answers here, on no other device's."""
     return f"_HUBINBOX.{device_id}"
 
 

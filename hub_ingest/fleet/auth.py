@@ -1,7 +1,10 @@
 """Who may do what on the hub: one NKey per device, with permissions that name only its own.
 
-All devices and the operators share the hub account ``FLEET`` (so the hub's streams can
-mirror device streams and devices can mirror ``CMD_<id>``), and each device's leaf
+The operators and the hub's streams are in the account ``FLEET``; the devices' leaf
+connections bind to ``DEVICES``, which has no stream and from which ``FLEET`` imports what
+its mirrors of the devices' streams need (and the other way for the devices' mirrors of
+``CMD_<id>``). Bound to ``FLEET``, every link connecting made nats-server retry each of the
+fleet's mirrors, and each retry was told to every link (docs/scaling.md). Each device's leaf
 connection is held to subjects that carry its own id (docs/security.md has the threat model):
 
 - it may create consumers on, and direct-get from, ``CMD_<id>`` only: not ``COMMANDS``, not
@@ -35,8 +38,8 @@ from edge_agent.protocol.files import write_durably
 from edge_agent.protocol.monitor import Monitor
 from edge_agent.protocol.names import (
     ISLAND_CONSUMER,
+    OUTBOUND,
     command_stream,
-    hub_reply_prefix,
     inbox_prefix,
     js_api,
     to_device_prefix,
@@ -47,7 +50,8 @@ from hub_ingest.core.config import HubConfig, ServerConfig
 from hub_ingest.core.errors import HubIngestError, HubUnreachableError
 from hub_ingest.fleet.registry import Device, Registry
 
-ACCOUNT = "FLEET"
+ACCOUNT = "FLEET"  # the hub's streams and the operators
+DEVICES_ACCOUNT = "DEVICES"  # the devices' leaf connections
 
 
 def new_seed() -> str:
@@ -97,15 +101,15 @@ def device_permissions(device: Device, hub_domain: str) -> dict[str, Any]:
                 f"{api}.DIRECT.GET.{rollout}.{records}",
                 f"{api}.DIRECT.GET.{releases}",
                 f"{to_hub_prefix(device.device_id)}.>",
-                f"{hub_reply_prefix(device.device_id)}.>",
+                # Answers to the hub's requests, which reach the island through an import
+                # that renames their reply subject to a random `_R_.<id>`, its own to know.
+                "_R_.>",
                 # Flow control of its command mirror, in both of nats-server's subject forms.
                 # No wider: the hub tells a link of every subscription on a subject its
                 # device may publish, so `$JS.FC.>` here told every link every flow-control
                 # subject of the fleet (its square, docs/scaling.md).
                 f"$JS.FC.{commands}.>",
                 f"$JS.FC.{hub_domain}.*.{commands}.>",
-                # Answers to the hub mirrors' set-up: random subjects, no narrower form.
-                "$JSC.R.>",
             ]
         },
         "subscribe": {
@@ -124,24 +128,97 @@ def device_permissions(device: Device, hub_domain: str) -> dict[str, Any]:
 SYSTEM_ACCOUNT = "SYS"
 
 
+def _fleet_account(operator_key: str, devices: list[Device]) -> dict[str, Any]:
+    """The hub's JetStream account: the operators, the streams, and what crosses from
+    `DEVICES_ACCOUNT`. Subjects going the other way are imported by that account, and none
+    of the two directions' overlap: nats-server refuses an import that would form a cycle."""
+    return {
+        "jetstream": "enabled",
+        "users": [{"nkey": operator_key}],
+        "exports": [
+            # The islands' command mirrors and reads; a batched direct get answers many times.
+            {"service": "$JS.API.>", "response_type": "stream"},
+            {"stream": f"{to_device_prefix('*')}.>"},
+        ],
+        "imports": [
+            # One per device, named by its domain: `$JS.*.API.>` would overlap the hub's own.
+            *(
+                {"service": {"account": DEVICES_ACCOUNT, "subject": f"{d.api_prefix}.>"}}
+                for d in devices
+            ),
+            *(
+                {"service": {"account": DEVICES_ACCOUNT, "subject": subject}}
+                for subject in _ISLAND_FLOW_CONTROL
+            ),
+            {"stream": {"account": DEVICES_ACCOUNT, "subject": f"{to_hub_prefix('*')}.>"}},
+            *(
+                {"stream": {"account": DEVICES_ACCOUNT, "subject": subject}}
+                for subject in _HUB_FLOW_CONTROL
+            ),
+        ],
+    }
+
+
+def _devices_account(devices: list[Device], hub_domain: str) -> dict[str, Any]:
+    """The account the devices' leaf connections bind to: no JetStream and no stream of its
+    own, so a link connecting costs the hub no look at the fleet's streams, and a mirror's
+    set-up in the hub's account is not told to every link."""
+    return {
+        "users": [
+            {"nkey": d.nkey, "permissions": device_permissions(d, hub_domain)} for d in devices
+        ],
+        "exports": [
+            {"service": "$JS.*.API.>", "response_type": "stream"},
+            *({"service": subject} for subject in _ISLAND_FLOW_CONTROL),
+            {"stream": f"{to_hub_prefix('*')}.>"},
+            *({"stream": subject} for subject in _HUB_FLOW_CONTROL),
+        ],
+        # The hub's API under its domain, as the islands address it (nats-server maps it so
+        # for a linked account too, but only once a link is up).
+        "mappings": {f"{js_api(hub_domain)}.>": "$JS.API.>"},
+        "imports": [
+            {"service": {"account": ACCOUNT, "subject": "$JS.API.>"}},
+            {"stream": {"account": ACCOUNT, "subject": f"{to_device_prefix('*')}.>"}},
+        ],
+    }
+
+
+# Flow control, in nats-server's two subject forms (`$JS.FC.<stream>.<consumer>.<id>`, and
+# with the domain and account hash first): the hub's mirrors answer the islands' consumers
+# (`TELEMETRY`, `EVENTS`), the islands' command mirrors answer the hub's `ISLAND` consumers.
+_ISLAND_FLOW_CONTROL = tuple(
+    subject for s in OUTBOUND for subject in (f"$JS.FC.{s}.>", f"$JS.FC.*.*.{s}.>")
+)
+_HUB_FLOW_CONTROL = (f"$JS.FC.*.{ISLAND_CONSUMER}.*", f"$JS.FC.*.*.*.{ISLAND_CONSUMER}.*")
+
+
 def render_auth(operator_key: str, devices: Iterable[Device], hub_domain: str) -> str:
-    users: list[dict[str, Any]] = [{"nkey": operator_key}]
-    for device in devices:
-        users.append({"nkey": device.nkey, "permissions": device_permissions(device, hub_domain)})
-    lines = ",\n      ".join(json.dumps(user) for user in users)
+    listed = list(devices)
+    accounts = {
+        ACCOUNT: _fleet_account(operator_key, listed),
+        DEVICES_ACCOUNT: _devices_account(listed, hub_domain),
+    }
+    blocks = "\n".join(_account_block(name, body) for name, body in accounts.items())
     return f"""\
 # Rendered by hub-ingest from the device registry; every `device add|remove` rewrites it.
 accounts {{
-  {ACCOUNT}: {{
-    jetstream: enabled
-    users: [
-      {lines}
-    ]
-  }}
+{blocks}
   # No users: the system account a hub that is one region of a supercluster names.
   {SYSTEM_ACCOUNT}: {{}}
 }}
 """
+
+
+def _account_block(name: str, body: dict[str, Any]) -> str:
+    """An account in nats-server's config syntax, one user, import or export a line."""
+    lines = [f"  {name}: {{"]
+    for key, value in body.items():
+        if isinstance(value, list):
+            items = ",\n      ".join(json.dumps(item) for item in value)
+            lines.append(f"    {key}: [\n      {items}\n    ]")
+        else:
+            lines.append(f"    {key}: {json.dumps(value)}")
+    return "\n".join([*lines, "  }"])
 
 
 def write_auth(config: HubConfig, devices: Iterable[Device]) -> Path:

@@ -1,6 +1,6 @@
 """The watcher's requests: to a device's island across the leaf (answered on the device's
-own reply prefix, the only one its leaf may answer on) and to the hub's API for the state of
-its streams."""
+own reply prefix, or through the devices' account on a random one, docs/security.md) and to
+the hub's API for the state of its streams."""
 
 from __future__ import annotations
 
