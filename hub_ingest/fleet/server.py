@@ -50,6 +50,9 @@ leafnodes {{
   # Devices dial the URLs in their own config (a load balancer, a NAT address); without
   # this the hub gossips its internal listen address and devices reconnect around it.
   no_advertise: true
+  # A device needs no other device's interest: without this every subscription an island
+  # makes or drops is weighed against every other link (a restart's storm at 500 devices).
+  isolate_leafnode_interest: true
 {_leaf_tls_block(srv.leaf_tls)}}}
 {_cluster_block(config)}"""
 
