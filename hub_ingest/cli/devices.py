@@ -108,6 +108,12 @@ async def _device(config: HubConfig, args: argparse.Namespace) -> int:
         else:
             change = await retire(js, config, args.device_id)
             print(f"removed {change.device.device_id}")
+            # nats-server keeps a linked leaf through a reload (docs/security.md).
+            print(
+                f"a link {change.device.device_id} holds now stays up until it drops; restart "
+                "the hub's nats-server to end it at once",
+                file=sys.stderr,
+            )
         if not change.reloaded:
             print("reload the hub's nats-server to apply the new users file", file=sys.stderr)
         for result in change.streams:
