@@ -130,8 +130,8 @@ SYSTEM_ACCOUNT = "SYS"
 
 def _fleet_account(operator_key: str, devices: list[Device]) -> dict[str, Any]:
     """The hub's JetStream account: the operators, the streams, and what crosses from
-    `DEVICES_ACCOUNT`. Subjects going the other way are imported by that account, and none
-    of the two directions' overlap: nats-server refuses an import that would form a cycle."""
+    `DEVICES_ACCOUNT`. Subjects going the other way are imported by that account; no import
+    of one direction overlaps one of the other, or nats-server refuses it as a cycle."""
     return {
         "jetstream": "enabled",
         "users": [{"nkey": operator_key}],
