@@ -128,33 +128,52 @@ def device_permissions(device: Device, hub_domain: str) -> dict[str, Any]:
 SYSTEM_ACCOUNT = "SYS"
 
 
+# Flow control, in nats-server's two subject forms (`$JS.FC.<stream>.<consumer>.<id>`, and
+# with the domain and account hash first): the hub's mirrors answer the islands' consumers
+# (`TELEMETRY`, `EVENTS`), the islands' command mirrors answer the hub's `ISLAND` consumers.
+_ISLAND_FLOW_CONTROL = tuple(
+    subject for s in OUTBOUND for subject in (f"$JS.FC.{s}.>", f"$JS.FC.*.*.{s}.>")
+)
+_HUB_FLOW_CONTROL = (f"$JS.FC.*.{ISLAND_CONSUMER}.*", f"$JS.FC.*.*.*.{ISLAND_CONSUMER}.*")
+
+# What each account exports and the other imports, subject for subject; no import of one
+# direction may overlap one of the other, or nats-server refuses it as a cycle. A service
+# answering a batched direct get answers many times (`response_type`).
+_FLEET_EXPORTS: tuple[dict[str, str], ...] = (
+    # The islands' command mirrors and reads.
+    {"service": "$JS.API.>", "response_type": "stream"},
+    {"stream": f"{to_device_prefix('*')}.>"},
+)
+_DEVICES_EXPORTS: tuple[dict[str, str], ...] = (
+    *({"service": subject} for subject in _ISLAND_FLOW_CONTROL),
+    {"stream": f"{to_hub_prefix('*')}.>"},
+    *({"stream": subject} for subject in _HUB_FLOW_CONTROL),
+)
+# The islands' APIs, which the hub's account imports one by one, named by each domain: a
+# wildcard would overlap the hub's own API, which the devices' account imports.
+_ISLAND_API_EXPORT = {"service": "$JS.*.API.>", "response_type": "stream"}
+
+
+def _imported(exports: Iterable[dict[str, str]], account: str) -> list[dict[str, Any]]:
+    """The imports of `exports` from `account`."""
+    return [
+        {kind: {"account": account, "subject": export[kind]}}
+        for export in exports
+        for kind in ("service", "stream")
+        if kind in export
+    ]
+
+
 def _fleet_account(operator_key: str, devices: list[Device]) -> dict[str, Any]:
     """The hub's JetStream account: the operators, the streams, and what crosses from
-    `DEVICES_ACCOUNT`. Subjects going the other way are imported by that account; no import
-    of one direction overlaps one of the other, or nats-server refuses it as a cycle."""
+    `DEVICES_ACCOUNT`."""
     return {
         "jetstream": "enabled",
         "users": [{"nkey": operator_key}],
-        "exports": [
-            # The islands' command mirrors and reads; a batched direct get answers many times.
-            {"service": "$JS.API.>", "response_type": "stream"},
-            {"stream": f"{to_device_prefix('*')}.>"},
-        ],
+        "exports": list(_FLEET_EXPORTS),
         "imports": [
-            # One per device, named by its domain: `$JS.*.API.>` would overlap the hub's own.
-            *(
-                {"service": {"account": DEVICES_ACCOUNT, "subject": f"{d.api_prefix}.>"}}
-                for d in devices
-            ),
-            *(
-                {"service": {"account": DEVICES_ACCOUNT, "subject": subject}}
-                for subject in _ISLAND_FLOW_CONTROL
-            ),
-            {"stream": {"account": DEVICES_ACCOUNT, "subject": f"{to_hub_prefix('*')}.>"}},
-            *(
-                {"stream": {"account": DEVICES_ACCOUNT, "subject": subject}}
-                for subject in _HUB_FLOW_CONTROL
-            ),
+            *_imported(({"service": f"{d.api_prefix}.>"} for d in devices), DEVICES_ACCOUNT),
+            *_imported(_DEVICES_EXPORTS, DEVICES_ACCOUNT),
         ],
     }
 
@@ -167,29 +186,12 @@ def _devices_account(devices: list[Device], hub_domain: str) -> dict[str, Any]:
         "users": [
             {"nkey": d.nkey, "permissions": device_permissions(d, hub_domain)} for d in devices
         ],
-        "exports": [
-            {"service": "$JS.*.API.>", "response_type": "stream"},
-            *({"service": subject} for subject in _ISLAND_FLOW_CONTROL),
-            {"stream": f"{to_hub_prefix('*')}.>"},
-            *({"stream": subject} for subject in _HUB_FLOW_CONTROL),
-        ],
+        "exports": [_ISLAND_API_EXPORT, *_DEVICES_EXPORTS],
         # The hub's API under its domain, as the islands address it (nats-server maps it so
         # for a linked account too, but only once a link is up).
         "mappings": {f"{js_api(hub_domain)}.>": "$JS.API.>"},
-        "imports": [
-            {"service": {"account": ACCOUNT, "subject": "$JS.API.>"}},
-            {"stream": {"account": ACCOUNT, "subject": f"{to_device_prefix('*')}.>"}},
-        ],
+        "imports": _imported(_FLEET_EXPORTS, ACCOUNT),
     }
-
-
-# Flow control, in nats-server's two subject forms (`$JS.FC.<stream>.<consumer>.<id>`, and
-# with the domain and account hash first): the hub's mirrors answer the islands' consumers
-# (`TELEMETRY`, `EVENTS`), the islands' command mirrors answer the hub's `ISLAND` consumers.
-_ISLAND_FLOW_CONTROL = tuple(
-    subject for s in OUTBOUND for subject in (f"$JS.FC.{s}.>", f"$JS.FC.*.*.{s}.>")
-)
-_HUB_FLOW_CONTROL = (f"$JS.FC.*.{ISLAND_CONSUMER}.*", f"$JS.FC.*.*.*.{ISLAND_CONSUMER}.*")
 
 
 def render_auth(operator_key: str, devices: Iterable[Device], hub_domain: str) -> str:
