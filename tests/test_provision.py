@@ -11,7 +11,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from nats.js import JetStreamContext
 from nats.js.api import StreamConfig, StreamInfo
 
 from edge_agent.protocol.reconcile import reconcile_stream
@@ -30,6 +29,7 @@ from tests.support.cluster import (
     hub_has_reading,
     run_cli,
     start_hub,
+    stream_has,
 )
 from tests.support.waiting import RESUME_TIMEOUT, eventually, freeze
 
@@ -220,14 +220,10 @@ async def _both_ways(hub: Hub, device: Device, label: str) -> None:
         what=f"the {label} reading at the hub",
     )
     await eventually(
-        lambda: _has(device.js, "COMMANDS", f"cmd.{device.id}.{label}"),
+        lambda: stream_has(device.js, "COMMANDS", f"cmd.{device.id}.{label}"),
         timeout=RESUME_TIMEOUT,
         what=f"the {label} command on the island",
     )
-
-
-async def _has(js: JetStreamContext, stream: str, subject: str) -> bool:
-    return bool((await js.stream_info(stream, subjects_filter=subject)).state.subjects)
 
 
 async def test_a_key_the_hub_refuses_is_an_error_naming_it(hub: Hub, tmp_path: Path) -> None:

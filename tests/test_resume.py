@@ -9,8 +9,6 @@ telemetry, as by default (`hub.pack`).
 
 from __future__ import annotations
 
-from nats.js import JetStreamContext
-
 from tests.support.cluster import (
     PACKED,
     Device,
@@ -18,16 +16,12 @@ from tests.support.cluster import (
     hub_has_reading,
     mirror_live,
     mirror_silent_for,
+    stream_has,
 )
 from tests.support.waiting import RESUME_TIMEOUT, eventually
 
 STALLED_S = 30  # a cut this long leaves a stock mirror in its retry back-off
 DEADLINE_S = 8  # ours resume in 0.2-5.3 s; stock takes 10-40 s
-
-
-async def _has(js: JetStreamContext, stream: str, subject: str) -> bool:
-    info = await js.stream_info(stream, subjects_filter=subject)
-    return bool(info.state.subjects)
 
 
 async def _live(hub: Hub, device: Device) -> None:
@@ -43,7 +37,7 @@ async def _both_arrive(hub: Hub, device: Device, n: int) -> None:
         what="the reading at the hub",
     )
     await eventually(
-        lambda: _has(device.js, "COMMANDS", f"cmd.{device.id}.r{n}"),
+        lambda: stream_has(device.js, "COMMANDS", f"cmd.{device.id}.r{n}"),
         timeout=DEADLINE_S,
         what="the command in the island's mirror",
     )

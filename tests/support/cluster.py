@@ -324,11 +324,15 @@ async def hub_readings(js: JetStreamContext, device_id: str, subject: str) -> li
     return bodies
 
 
+async def stream_has(js: JetStreamContext, stream: str, subject: str) -> bool:
+    """Whether `stream` holds a message on `subject` (a filter: wildcards match)."""
+    return bool((await js.stream_info(stream, subjects_filter=subject)).state.subjects)
+
+
 async def hub_has_reading(js: JetStreamContext, device_id: str, subject: str) -> bool:
     """Whether the telemetry aggregate holds a reading of `device_id` published on `subject`,
     alone or in a pack (`hub.pack`)."""
-    alone = f"fleet.{device_id}.{subject}"
-    if (await js.stream_info("FLEET_TELEMETRY", subjects_filter=alone)).state.subjects:
+    if await stream_has(js, "FLEET_TELEMETRY", f"fleet.{device_id}.{subject}"):
         return True
     return bool(await hub_readings(js, device_id, subject))
 
