@@ -47,6 +47,7 @@ from edge_agent.island.link import LinkTracker, write_clock
 from edge_agent.island.packer import Packer
 from edge_agent.island.server import STOP_TIMEOUT_S, Island
 from edge_agent.island.streams import reconcile
+from edge_agent.island.unstall import Unstaller
 from edge_agent.island.windows import Windows
 from edge_agent.outbox.drain import Drainer
 from edge_agent.outbox.store import Outbox
@@ -307,6 +308,7 @@ class Agent:
                     unpacked = tuple(s for s in OUTBOUND if s != TELEMETRY)
                 windows = Windows(nc, rtt, self.config, unpacked)
                 self._spawn(tg, windows.run())
+                self._spawn(tg, Unstaller(nc, self.config, self.link).run())
             if not self.ready.is_set():
                 self.notifier.ready()
                 running = {"version": __version__, "pid": os.getpid(), "ready_at": utc_now_iso()}

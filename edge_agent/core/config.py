@@ -115,6 +115,9 @@ class AgentConfig:
     state_dir: Path
     heartbeat_interval: float
     link_poll_interval: float
+    # A hub mirror's consumer with a window out and no movement this long, the link up, is
+    # stuck, not slow, and is reset (`edge_agent.island.unstall`).
+    uplink_stall_after: float = 60.0
     # Prometheus text format for node_exporter's textfile collector, rewritten at every
     # heartbeat; None: not written.
     metrics_file: Path | None = None
@@ -290,6 +293,7 @@ def parse_config(data: dict[str, Any], source: Path | None = None) -> Config:
         state_dir=agent_sec.get("state_dir", path, Path("/var/lib/edge-agent")),
         heartbeat_interval=agent_sec.get("heartbeat_interval", _positive_duration, 30.0),
         link_poll_interval=agent_sec.get("link_poll_interval", _positive_duration, 0.5),
+        uplink_stall_after=agent_sec.get("uplink_stall_after", _positive_duration, 60.0),
         metrics_file=agent_sec.get("metrics_file", path, None),
     )
     agent_sec.finish()

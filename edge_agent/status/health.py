@@ -23,6 +23,7 @@ from edge_agent.core.config import Config
 from edge_agent.core.statedb import open_readonly
 from edge_agent.island.link import LinkState, clock_path, link_path
 from edge_agent.island.server import quarantine_dir, quarantined
+from edge_agent.island.unstall import unstalled
 from edge_agent.outbox.store import OutboxStats
 from edge_agent.outbox.store import read_stats as read_outbox_stats
 from edge_agent.protocol.errors import MonitorUnavailable
@@ -98,6 +99,9 @@ class Status:
     # Island streams a power cut damaged beyond repair, set aside by the agent (see
     # `Island._set_aside`): what they held that had not reached the hub is lost.
     quarantined: list[str] = field(default_factory=list)
+    # Times the agent found a hub mirror's consumer stuck and reset it (`island.unstall`):
+    # nothing was lost, the mirror took what it lacked after each.
+    uplink_unstalled: int = 0
 
     @property
     def healthy(self) -> bool:
@@ -239,6 +243,7 @@ async def collect_status(config: Config, monitor: Monitor | None = None) -> Stat
             problems=[f"island unreachable: {exc}"],
             checked_at=utc_now_iso(),
             clock_offset_s=offset,
+            uplink_unstalled=unstalled(config),
         )
     since = saved.get("since") if saved and saved.get("up") == leaf_up else None
     problems: list[str] = []
@@ -289,6 +294,7 @@ async def collect_status(config: Config, monitor: Monitor | None = None) -> Stat
         checked_at=utc_now_iso(),
         clock_offset_s=offset,
         quarantined=damaged,
+        uplink_unstalled=unstalled(config),
     )
 
 
@@ -325,6 +331,8 @@ def render_status(status: Status) -> str:
                 f"uplink      {s.name}: {up.backlog_messages} waiting ({_size(up.backlog_bytes)})"
                 f"{eta}, window {up.window}, last crossed {up.last_crossed or 'never'}"
             )
+    if status.uplink_unstalled:
+        lines.append(f"uplink      stuck and reset {status.uplink_unstalled} times (nothing lost)")
     if status.mirror is not None:
         contact = (
             f"{status.mirror.last_contact_s:.1f}s ago"

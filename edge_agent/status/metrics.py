@@ -38,6 +38,11 @@ def registry_for(status: Status, resume: ResumeFigures | None = None) -> Collect
             "hub clock minus device clock at the last sync",
             status.clock_offset_s,
         ),
+        (
+            "edge_agent_uplink_unstalled",
+            "times a hub mirror's consumer was found stuck and reset",
+            status.uplink_unstalled,
+        ),
     ]
     if (outbox := status.outbox) is not None:
         figures += [

@@ -1,0 +1,98 @@
+"""A hub mirror's consumer on the island that nats-server has deadlocked is found and reset.
+
+The deadlock, as the power-cut test met it under load: the consumer is reset below what the
+mirror holds while the mirror stays bound (the island resets its consumers at each start; a
+mirror that missed the restart keeps its delivery count). The first window it sends again is
+old to the mirror, whose flow-control reply then carries the mirror's own, higher delivery
+count; the consumer takes that as its acknowledgement floor, above anything it delivers next,
+and ignores every later reply as old. Here the reset is made on purpose, while the consumer
+is paused so that new packs wait behind the window it sends again.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from datetime import UTC, datetime, timedelta
+
+from nats.js.api import ConsumerInfo
+
+from edge_agent.island.streams import incarnations
+from edge_agent.protocol.names import TELEMETRY, hub_consumer
+from edge_agent.status.health import collect_status
+from tests.support.cluster import PACKED, Device, Hub
+from tests.support.waiting import RESUME_TIMEOUT, eventually
+
+WINDOW = 6  # an uncompressed link's packs in flight (`streams.UNCOMPRESSED_PACK_WINDOW`)
+
+
+async def _consumer_api(device: Device, verb: str, body: dict[str, object]) -> dict[str, object]:
+    incarnation = (await incarnations(device.js))[TELEMETRY]
+    assert incarnation is not None and device.nc is not None
+    subject = f"$JS.API.CONSUMER.{verb}.{TELEMETRY}.{hub_consumer(incarnation)}"
+    reply = json.loads((await device.nc.request(subject, json.dumps(body).encode(), 5)).data)
+    assert "error" not in reply, reply
+    return dict(reply)
+
+
+async def _consumer(device: Device) -> ConsumerInfo:
+    incarnation = (await incarnations(device.js))[TELEMETRY]
+    assert incarnation is not None
+    return await device.js.consumer_info(TELEMETRY, hub_consumer(incarnation))
+
+
+async def _packs_at_hub(hub: Hub, device: Device, count: int) -> bool:
+    info = await hub.js.stream_info(await hub.mirror(device.id))
+    return info.state.last_seq >= count and info.state.messages == info.state.last_seq
+
+
+async def _pack_one(device: Device, n: int) -> int:
+    """Reading `n` alone in a pack of its own; the island's last pack sequence."""
+    before = (await device.js.stream_info(TELEMETRY)).state.last_seq
+    await device.js.publish("tele.temp", str(n).encode())
+
+    async def packed() -> int | None:
+        last = (await device.js.stream_info(TELEMETRY)).state.last_seq
+        return last if last > before else None
+
+    return await eventually(packed, timeout=30, what=f"reading {n} packed")
+
+
+async def test_a_deadlocked_uplink_consumer_is_reset_and_the_hub_gets_everything(
+    hub: Hub,
+) -> None:
+    a = await hub.device("a", sections=PACKED, uplink_stall_after="3s", register_when_ready=True)
+    crossed = 0
+    for n in range(3 * WINDOW):  # the mirror's delivery count well above two windows
+        crossed = await _pack_one(a, n)
+        at_hub = functools.partial(_packs_at_hub, hub, a, crossed)
+        await eventually(at_hub, timeout=RESUME_TIMEOUT, what=f"pack {crossed} at the hub")
+    pause = (datetime.now(UTC) + timedelta(minutes=5)).isoformat().replace("+00:00", "Z")
+    await _consumer_api(a, "PAUSE", {"pause_until": pause})
+    waiting = [await _pack_one(a, n) for n in range(3 * WINDOW, 3 * WINDOW + 3)]
+    # Back a window below what the mirror holds, and let it go: the old window, then the
+    # three new packs, which the mirror takes; its replies are then ignored.
+    await _consumer_api(a, "RESET", {"seq": crossed - WINDOW + 1})
+    await _consumer_api(a, "PAUSE", {})
+
+    async def deadlocked() -> ConsumerInfo | None:
+        info = await _consumer(a)
+        stuck = info.ack_floor.consumer_seq > info.delivered.consumer_seq
+        return info if stuck and info.num_ack_pending else None
+
+    info = await eventually(deadlocked, timeout=30, what="the floor above what was delivered")
+    assert info.ack_floor.stream_seq < waiting[-1]
+    more = [await _pack_one(a, n) for n in range(3 * WINDOW + 3, 5 * WINDOW)]
+
+    every = functools.partial(_packs_at_hub, hub, a, more[-1])
+    await eventually(every, timeout=RESUME_TIMEOUT, what="every pack at the hub")
+    status = await collect_status(a.config)
+    assert status.uplink_unstalled >= 1
+    assert not status.problems, status.problems
+
+    async def settled() -> bool:
+        info = await _consumer(a)
+        return info.ack_floor.stream_seq == more[-1] and not info.num_ack_pending
+
+    await eventually(settled, timeout=30, what="every pack acknowledged")
+    assert (await collect_status(a.config)).uplink_unstalled == status.uplink_unstalled
