@@ -118,8 +118,8 @@ class Unstaller:
 
     async def _rebind(self, stream: str, info: ConsumerInfo, floor: int) -> None:
         """Delete `info`'s consumer until its mirror has given it up, then make it again at
-        `floor`, its acknowledgement floor (see the module). Made again even when cancelled midway: the agent's next
-        start would otherwise make it from the stream's first message on."""
+        `floor`, its acknowledgement floor (see the module). Made again even when cancelled
+        midway: the agent's next start would otherwise make it from the first message on."""
         await self.js.delete_consumer(stream, info.name)
         try:
             await asyncio.sleep(_GIVEN_UP_S)
