@@ -116,7 +116,7 @@ class AgentConfig:
     heartbeat_interval: float
     link_poll_interval: float
     # A hub mirror's consumer with a window out and no movement this long, the link up, is
-    # stuck, not slow, and is reset (`edge_agent.island.unstall`).
+    # stuck, not slow, and is bound afresh (`edge_agent.island.unstall`).
     uplink_stall_after: float = 60.0
     # Prometheus text format for node_exporter's textfile collector, rewritten at every
     # heartbeat; None: not written.

@@ -51,12 +51,12 @@ _GIVEN_UP_S = 25.0
 
 
 def uplink_path(config: Config) -> Path:
-    """Where the agent counts the stuck uplink consumers it reset, for ``status``."""
+    """Where the agent counts the stuck uplink consumers it had bound afresh, for ``status``."""
     return config.agent.state_dir / "uplink.json"
 
 
 def unstalled(config: Config) -> int:
-    """How many times the agent has reset a stuck uplink consumer (since its state began)."""
+    """How many times the agent has had a stuck uplink consumer bound afresh (ever)."""
     count = (read_json(uplink_path(config)) or {}).get("unstalled", 0)
     return count if isinstance(count, int) else 0
 

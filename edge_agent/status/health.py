@@ -99,7 +99,7 @@ class Status:
     # Island streams a power cut damaged beyond repair, set aside by the agent (see
     # `Island._set_aside`): what they held that had not reached the hub is lost.
     quarantined: list[str] = field(default_factory=list)
-    # Times the agent found a hub mirror's consumer stuck and reset it (`island.unstall`):
+    # Times the agent found a hub mirror's consumer stuck and had it bound afresh (`unstall`):
     # nothing was lost, the mirror took what it lacked after each.
     uplink_unstalled: int = 0
 
@@ -332,7 +332,9 @@ def render_status(status: Status) -> str:
                 f"{eta}, window {up.window}, last crossed {up.last_crossed or 'never'}"
             )
     if status.uplink_unstalled:
-        lines.append(f"uplink      stuck and reset {status.uplink_unstalled} times (nothing lost)")
+        lines.append(
+            f"uplink      stuck and bound afresh {status.uplink_unstalled} times (nothing lost)"
+        )
     if status.mirror is not None:
         contact = (
             f"{status.mirror.last_contact_s:.1f}s ago"

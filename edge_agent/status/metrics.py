@@ -40,7 +40,7 @@ def registry_for(status: Status, resume: ResumeFigures | None = None) -> Collect
         ),
         (
             "edge_agent_uplink_unstalled",
-            "times a hub mirror's consumer was found stuck and reset",
+            "times a hub mirror's consumer was found stuck and bound afresh",
             status.uplink_unstalled,
         ),
     ]
