@@ -17,13 +17,16 @@ from datetime import UTC, datetime, timedelta
 
 from nats.js.api import ConsumerInfo
 
-from edge_agent.island.streams import incarnations
+from edge_agent.island.streams import UNCOMPRESSED_PACK_WINDOW, incarnations
 from edge_agent.protocol.names import TELEMETRY, hub_consumer
 from edge_agent.status.health import collect_status
 from tests.support.cluster import PACKED, Device, Hub
 from tests.support.waiting import RESUME_TIMEOUT, eventually
 
-WINDOW = 6  # an uncompressed link's packs in flight (`streams.UNCOMPRESSED_PACK_WINDOW`)
+WINDOW = UNCOMPRESSED_PACK_WINDOW  # packs in flight over a loopback link, uncompressed
+# Packs that cross one by one first: the mirror's delivery count well above two windows (the
+# deadlock needs its reply to stay above all the consumer delivers in them).
+FIRST = 4 * WINDOW
 
 
 async def _consumer_api(device: Device, verb: str, body: dict[str, object]) -> dict[str, object]:
@@ -58,18 +61,21 @@ async def _pack_one(device: Device, n: int) -> int:
     return await eventually(packed, timeout=30, what=f"reading {n} packed")
 
 
-async def test_a_deadlocked_uplink_consumer_is_reset_and_the_hub_gets_everything(
+async def test_a_deadlocked_uplink_consumer_is_bound_afresh_and_the_hub_gets_everything(
     hub: Hub,
 ) -> None:
+    """The deadlock made (the consumer's floor above what it delivered, a full window out),
+    the agent finds it within `uplink_stall_after`, the mirror binds afresh, every pack
+    reaches the hub and is acknowledged, and `status` counts it once."""
     a = await hub.device("a", sections=PACKED, uplink_stall_after="3s", register_when_ready=True)
     crossed = 0
-    for n in range(3 * WINDOW):  # the mirror's delivery count well above two windows
+    for n in range(FIRST):
         crossed = await _pack_one(a, n)
         at_hub = functools.partial(_packs_at_hub, hub, a, crossed)
         await eventually(at_hub, timeout=RESUME_TIMEOUT, what=f"pack {crossed} at the hub")
     pause = (datetime.now(UTC) + timedelta(minutes=5)).isoformat().replace("+00:00", "Z")
     await _consumer_api(a, "PAUSE", {"pause_until": pause})
-    waiting = [await _pack_one(a, n) for n in range(3 * WINDOW, 3 * WINDOW + 3)]
+    waiting = [await _pack_one(a, n) for n in range(FIRST, FIRST + 3)]
     # Back a window below what the mirror holds, and let it go: the old window, then the
     # three new packs, which the mirror takes; its replies are then ignored.
     await _consumer_api(a, "RESET", {"seq": crossed - WINDOW + 1})
@@ -82,7 +88,7 @@ async def test_a_deadlocked_uplink_consumer_is_reset_and_the_hub_gets_everything
 
     info = await eventually(deadlocked, timeout=30, what="the floor above what was delivered")
     assert info.ack_floor.stream_seq < waiting[-1]
-    more = [await _pack_one(a, n) for n in range(3 * WINDOW + 3, 5 * WINDOW)]
+    more = [await _pack_one(a, n) for n in range(FIRST + 3, FIRST + 3 + 2 * WINDOW)]
 
     every = functools.partial(_packs_at_hub, hub, a, more[-1])
     await eventually(every, timeout=RESUME_TIMEOUT, what="every pack at the hub")
