@@ -24,6 +24,7 @@ counted in ``uplink.json`` under the state directory, for ``status``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from dataclasses import dataclass, replace
@@ -74,11 +75,16 @@ class Unstaller:
         self.nc, self.config, self.link = nc, config, link
         self.js = nc.jetstream()
         self._seen: dict[str, _Seen] = {}
+        # Consumers deleted to be made again (their config and floor) until they are: one
+        # whose making failed is tried again at each round, never left deleted.
+        self._unmade: dict[str, tuple[ConsumerInfo, int]] = {}
 
     async def run(self) -> None:
         while True:
             await self.link.is_up.wait()
             try:
+                for stream, (info, floor) in list(self._unmade.items()):
+                    await self._make_again(stream, info, floor)
                 for stream, incarnation in (await incarnations(self.js)).items():
                     if incarnation is not None:
                         await self._check(stream, hub_consumer(incarnation), time.monotonic())
@@ -120,15 +126,22 @@ class Unstaller:
         """Delete `info`'s consumer until its mirror has given it up, then make it again at
         `floor`, its acknowledgement floor (see the module). Made again even when cancelled
         midway: the agent's next start would otherwise make it from the first message on."""
+        self._unmade[stream] = (info, floor)
         await self.js.delete_consumer(stream, info.name)
         try:
             await asyncio.sleep(_GIVEN_UP_S)
         finally:
-            # Paused while it is moved to its floor: it would start from the first message.
-            until = datetime.now(UTC) + timedelta(minutes=5)
-            await self.js.add_consumer(stream, replace(info.config, pause_until=until.isoformat()))
-            await self._api("RESET", stream, info.name, {"seq": floor + 1})
-            await self._api("PAUSE", stream, info.name, {})
+            # Should it fail, the next round tries again (`run`); at shutdown, the next start.
+            with contextlib.suppress(APIError, nats.errors.Error, TimeoutError):
+                await self._make_again(stream, info, floor)
+
+    async def _make_again(self, stream: str, info: ConsumerInfo, floor: int) -> None:
+        # Paused while it is moved to its floor: it would start from the first message.
+        until = datetime.now(UTC) + timedelta(minutes=5)
+        await self.js.add_consumer(stream, replace(info.config, pause_until=until.isoformat()))
+        await self._api("RESET", stream, info.name, {"seq": floor + 1})
+        await self._api("PAUSE", stream, info.name, {})
+        del self._unmade[stream]
 
     async def _api(self, verb: str, stream: str, consumer: str, body: dict[str, int]) -> None:
         subject = f"$JS.API.CONSUMER.{verb}.{stream}.{consumer}"
