@@ -1,10 +1,11 @@
 """How the hub's cost grows with the fleet, on one hub node and on a three-node cluster (R3).
 
-For each mode (``single``: one hub nats-server; ``cluster``: three, every stream R3) one hub
-is grown through `--sizes` simulated devices, next to `--agents` real ones (agent + island,
-in this process). A simulated device is a bare leaf island: a nats-server with the config
-`edge_agent.island.server` renders, its link open, and its streams and the hub's consumers made by
-`edge_agent.island.streams.reconcile`, with no agent. At each size:
+For each mode (``single``: one hub nats-server; ``cluster``: three, every stream R3;
+``cluster5``: five, every stream R3) one hub is grown through `--sizes` simulated devices,
+next to `--agents` real ones (agent + island, in this process). A simulated device is a bare
+leaf island: a nats-server with the config `edge_agent.island.server` renders, its link open,
+and its streams and the hub's consumers made by `edge_agent.island.streams.reconcile`, with
+no agent. At each size:
 
 - ``enrol``: the devices that bring the fleet to the size, enrolled in one `enrol_many` (one
   users-file write, one reload, one provisioning pass); seconds per device added;
@@ -54,7 +55,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
 
 
-from bench.fleetscale.common import kill_spawned
+from bench.fleetscale.common import CLUSTER_NODES, kill_spawned
 from bench.fleetscale.measure import run, stderr_to
 from bench.fleetscale.table import summarise
 from edge_agent.protocol.logs import configure_logging
@@ -63,7 +64,9 @@ from edge_agent.protocol.logs import configure_logging
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="25,50,100,200", help="simulated devices, ascending")
-    parser.add_argument("--modes", default="single,cluster", help="single, cluster or both")
+    parser.add_argument(
+        "--modes", default="single,cluster", help="any of single, cluster, cluster5"
+    )
     parser.add_argument("--agents", type=int, default=2, help="real agents in each fleet")
     parser.add_argument(
         "--leaf-compression",
@@ -103,8 +106,8 @@ def main() -> int:
     args.modes = [m for m in args.modes.split(",") if m]
     if args.sizes != sorted(set(args.sizes)) or args.sizes[0] < 1:
         parser.error("--sizes: positive and ascending, like 25,50,100,200")
-    if not set(args.modes) <= {"single", "cluster"}:
-        parser.error("--modes: single, cluster or single,cluster")
+    if not set(args.modes) <= {"single", *CLUSTER_NODES}:
+        parser.error(f"--modes: any of single, {', '.join(CLUSTER_NODES)}")
     configure_logging("warning")
     root = Path(tempfile.mkdtemp(prefix="bench-fleet-scale-"))
     try:

@@ -32,6 +32,8 @@ STARTING = 8  # islands starting at once (each a nats-server with JetStream)
 RAMP = 25
 LINK_TIMEOUT = 300.0
 CONNECT_TIMEOUT = 10.0  # for a client connection to an island that answered healthy
+# The cluster modes and their nodes (every stream R3 in each); ``single`` is one node.
+CLUSTER_NODES = {"cluster": 3, "cluster5": 5}
 API_TIMEOUT = 30.0  # for the bench's JetStream requests to the hub (default 5 s)
 TICKS = os.sysconf("SC_CLK_TCK")
 FRESH = {TELEMETRY: "tele.bench.fresh", EVENTS: "evt.bench.fresh"}

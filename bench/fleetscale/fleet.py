@@ -1,4 +1,4 @@
-"""The fleet the bench grows: a hub (one node or three) with bare leaf islands as simulated
+"""The fleet the bench grows: a hub (one node or a cluster) with bare leaf islands as simulated
 devices and a few real agents, and what it does to them (enrol, attach, publish, restart)."""
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ def new_island(
 
 @dataclass
 class Fleet:
-    """A hub (one node or three) grown to more and more simulated devices."""
+    """A hub (one node or a cluster) grown to more and more simulated devices."""
 
     mode: str
     root: Path

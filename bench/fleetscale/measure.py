@@ -21,6 +21,7 @@ from bench.fleetscale.common import (
     ADDS,
     API_TIMEOUT,
     ATTEMPTS,
+    CLUSTER_NODES,
     REPEATS,
     BenchError,
     T,
@@ -73,9 +74,12 @@ async def start_fleet(mode: str, root: Path, args: argparse.Namespace) -> Fleet:
     compression = args.leaf_compression
     for attempt in range(ATTEMPTS):
         try:
-            if mode == "cluster":
+            if mode in CLUSTER_NODES:
                 hub: Hub = await start_cluster_hub(
-                    root / f"try{attempt}", watching=False, leaf_compression=compression
+                    root / f"try{attempt}",
+                    watching=False,
+                    leaf_compression=compression,
+                    count=CLUSTER_NODES[mode],
                 )
             else:
                 hub = await start_hub(

@@ -7,7 +7,7 @@ import argparse
 import statistics
 from collections.abc import Sequence
 
-from bench.fleetscale.common import METRICS, SLOPES
+from bench.fleetscale.common import CLUSTER_NODES, METRICS, SLOPES
 
 
 def line(mode: str, row: dict[str, float], agents: int) -> str:
@@ -54,12 +54,19 @@ def summarise(results: dict[str, list[dict[str, float]]], args: argparse.Namespa
         a, b = single[size], cluster[size]
         ratios = " ".join(f"{m}={b[m] / a[m]:.2f}" for m in METRICS if a[m] > 0)
         print(f"cluster/single devices={size}: {ratios}")
+    five = {int(r["size"]): r for r in results.get("cluster5", [])}
+    for size in sorted(cluster.keys() & five.keys()):
+        # Per node: each mode's RSS is summed over its nodes.
+        nodes = CLUSTER_NODES["cluster5"], CLUSTER_NODES["cluster"]
+        ratio = (five[size]["rss"] / nodes[0]) / (cluster[size]["rss"] / nodes[1])
+        print(f"cluster5/cluster devices={size}: rss_per_node={ratio:.2f}")
     costs = {mode: fitted(mode, rows) for mode, rows in results.items() if rows}
-    # The cluster at the largest size asked for; a size a hub could not do shows as nan.
-    mode = "cluster" if "cluster" in args.modes else "single"
+    # The last cluster mode asked for, at the largest size asked for; a size a hub could not
+    # do shows as nan.
+    mode = next((m for m in reversed(args.modes) if m != "single"), "single")
     target = max(args.sizes)
     nan = dict.fromkeys((*METRICS, "up", "down", "peak", "restart_peak", "leafs"), float("nan"))
-    runs = cluster if mode == "cluster" else single
+    runs = {int(r["size"]): r for r in results.get(mode, [])}
     last = runs.get(target, nan)
     cost = costs.get(mode, {name: float("nan") for name in SLOPES})
     devices = float(target)

@@ -1,4 +1,5 @@
-"""A hub of three nats-servers in one JetStream cluster on loopback, for the cluster tests.
+"""A hub of three nats-servers (or more) in one JetStream cluster on loopback, for the
+cluster tests and `bench/fleet_scale.py`.
 
 Each node has its own client, route, leaf and monitoring port and its own store under
 ``root/hub/<node>``; they share the users file, as nodes on one machine would. Devices list
@@ -25,13 +26,18 @@ from hub_ingest.local.fleet import admin_connection, free_port
 from tests.support.cluster import Hub, provisioned
 from tests.support.waiting import eventually
 
-NODES = ("hub-1", "hub-2", "hub-3")
+
+def node_names(count: int) -> tuple[str, ...]:
+    return tuple(f"hub-{i}" for i in range(1, count + 1))
 
 
-def loopback_cluster_nodes() -> list[dict[str, str]]:
-    """`[[cluster.nodes]]` for `NODES` on free loopback ports."""
+NODES = node_names(3)  # the tests' cluster
+
+
+def loopback_cluster_nodes(count: int = len(NODES)) -> list[dict[str, str]]:
+    """`[[cluster.nodes]]` for `count` nodes on free loopback ports."""
     nodes = []
-    for name in NODES:
+    for name in node_names(count):
         route = free_port()
         nodes.append(
             {
@@ -47,9 +53,9 @@ def loopback_cluster_nodes() -> list[dict[str, str]]:
 
 
 def loopback_cluster_config(
-    root: Path, *, replicas: int = 3, leaf_compression: str = "accept"
+    root: Path, *, replicas: int = 3, leaf_compression: str = "accept", count: int = len(NODES)
 ) -> HubConfig:
-    nodes = loopback_cluster_nodes()
+    nodes = loopback_cluster_nodes(count)
     return parse_hub_config(
         {
             "state_dir": str(root / "hub"),
@@ -64,7 +70,7 @@ def loopback_cluster_config(
 
 @dataclass
 class ClusterHub(Hub):
-    """`Hub` on three nodes: `server` is the first; `nodes` has them all by name."""
+    """`Hub` on a cluster: `server` is the first node; `nodes` has them all by name."""
 
     nodes: dict[str, ServerProcess] = field(default_factory=dict)
     watchers: list[asyncio.Task[None]] = field(default_factory=list)
@@ -75,13 +81,13 @@ class ClusterHub(Hub):
 
     def leaf_urls(self, proxy_port: int) -> list[str]:
         """The first node through the device's link proxy, the others directly."""
-        others = [f"nats-leaf://127.0.0.1:{self.leaf_port_of(n)}" for n in NODES[1:]]
+        others = [f"nats-leaf://127.0.0.1:{self.leaf_port_of(n)}" for n in list(self.nodes)[1:]]
         return [f"nats-leaf://127.0.0.1:{proxy_port}", *others]
 
     def start_watch(self) -> None:
         """One `hub-ingest watch` per node, as each node's service runs it."""
         self.stop_watch.clear()
-        for name in NODES:
+        for name in self.nodes:
             server = self.config.for_node(name).server
             monitor = Monitor(f"http://{server.monitor_listen}")
             self.watchers.append(
@@ -117,13 +123,13 @@ class ClusterHub(Hub):
 
     async def restart(self) -> None:
         """A hub restart, in the cluster: every node SIGKILLed, then all started again."""
-        for node in NODES:
+        for node in self.nodes:
             await self.kill(node)
-        await asyncio.gather(*(self.start(n) for n in NODES))
+        await asyncio.gather(*(self.start(n) for n in self.nodes))
 
     async def current(self) -> bool:
         """Whether every node is up and every stream has all its replicas current."""
-        for name in NODES:
+        for name in self.nodes:
             if not await self.nodes[name].monitor.healthy():
                 return False
         for name in await stream_names(self.js):
@@ -139,17 +145,24 @@ class ClusterHub(Hub):
         try:
             await super().close()
         finally:
-            for node in NODES:
-                await self.nodes[node].stop()
+            for node in self.nodes.values():
+                await node.stop()
 
 
 async def start_cluster_hub(
-    root: Path, *, replicas: int = 3, watching: bool = True, leaf_compression: str = "accept"
+    root: Path,
+    *,
+    replicas: int = 3,
+    watching: bool = True,
+    leaf_compression: str = "accept",
+    count: int = len(NODES),
 ) -> ClusterHub:
-    config = loopback_cluster_config(root, replicas=replicas, leaf_compression=leaf_compression)
+    config = loopback_cluster_config(
+        root, replicas=replicas, leaf_compression=leaf_compression, count=count
+    )
     write_auth(config, [])
     nodes = {}
-    for name in NODES:
+    for name in node_names(count):
         node = config.for_node(name)
         write_durably(node.server.config_file, render_server_config(node))
         nodes[name] = ServerProcess(
@@ -158,7 +171,7 @@ async def start_cluster_hub(
     # A node is healthy once the cluster has a JetStream leader: start them together.
     await asyncio.gather(*(server.start(timeout=60) for server in nodes.values()))
     nc, js = await admin_connection(config)
-    hub = ClusterHub(config, nodes[NODES[0]], nc, js, root, nodes=nodes)
+    hub = ClusterHub(config, next(iter(nodes.values())), nc, js, root, nodes=nodes)
     try:
         await eventually(lambda: provisioned(hub), timeout=60, what="cluster provisioned")
     except BaseException:
