@@ -35,7 +35,8 @@ commands in the history (ratio large over small; 1.0: the cost does not grow wit
 Prints one line per (mode, size), the cluster-over-single ratio of each metric at each size,
 the fitted cost per device (least-squares slope over the sizes) per mode, and last:
 ``devices=N enrol_s_per_device=… hub_rss_mb_per_device=… restart_resume_s=… report_s=…``
-for the cluster at the largest size asked for (the single node when only it ran): the
+for the last cluster mode asked for, at the largest size asked for (the single node when
+only it ran), with ``rss_per_node_5_over_3`` there when both clusters ran: the
 per-device keys are fitted slopes over the sizes that completed, the others measured at that
 size; more keys follow (``measured_up_to``: the largest size that completed). A size the hub
 cannot do (a wait past `--timeout`, the hub's RSS past `--max-hub-rss`, a request it does not

@@ -55,11 +55,11 @@ def summarise(results: dict[str, list[dict[str, float]]], args: argparse.Namespa
         ratios = " ".join(f"{m}={b[m] / a[m]:.2f}" for m in METRICS if a[m] > 0)
         print(f"cluster/single devices={size}: {ratios}")
     five = {int(r["size"]): r for r in results.get("cluster5", [])}
+    per_node = {}  # five nodes' RSS a node over three's (each mode's RSS is their sum)
     for size in sorted(cluster.keys() & five.keys()):
-        # Per node: each mode's RSS is summed over its nodes.
         nodes = CLUSTER_NODES["cluster5"], CLUSTER_NODES["cluster"]
-        ratio = (five[size]["rss"] / nodes[0]) / (cluster[size]["rss"] / nodes[1])
-        print(f"cluster5/cluster devices={size}: rss_per_node={ratio:.2f}")
+        per_node[size] = (five[size]["rss"] / nodes[0]) / (cluster[size]["rss"] / nodes[1])
+        print(f"cluster5/cluster devices={size}: rss_per_node={per_node[size]:.2f}")
     costs = {mode: fitted(mode, rows) for mode, rows in results.items() if rows}
     # The last cluster mode asked for, at the largest size asked for; a size a hub could not
     # do shows as nan.
@@ -71,6 +71,8 @@ def summarise(results: dict[str, list[dict[str, float]]], args: argparse.Namespa
     cost = costs.get(mode, {name: float("nan") for name in SLOPES})
     devices = float(target)
     extra = "".join(f" {k}={v:.2f}" for k, v in args.baseline.items())
+    if target in per_node:
+        extra += f" rss_per_node_5_over_3={per_node[target]:.2f}"
     print(
         f"devices={target} rss_mib_per_device={cost['rss']:.3f} "
         f"fds_per_device={cost['fds']:.2f} idle_cpu_pct_per_device={cost['cpu']:.4f} "
