@@ -30,8 +30,6 @@ from nats.js.errors import APIError
 
 from edge_agent.island.server import pid_file
 from edge_agent.island.streams import incarnations
-from edge_agent.protocol.errors import MonitorUnavailable
-from edge_agent.protocol.monitor import Monitor
 from edge_agent.protocol.names import COMMAND_MIRROR, TELEMETRY, command_stream, hub_consumer
 from edge_agent.protocol.pack import PACK_HEADER, decode
 from edge_agent.status.health import collect_status
@@ -409,21 +407,7 @@ class Chaos:
             f"{name} holds {mirror.state.messages} (last seq {mirror.state.last_seq}, "
             f"deleted {info.get('state', {}).get('deleted')}), the aggregate {in_aggregate}; "
             f"leader {info.get('cluster', {}).get('leader')}; mirror: {mirror.mirror}; "
-            f"island: {await _island_side(node)}; hub's links: {await self._links()}"
-        )
-
-    async def _links(self) -> str:
-        """Each leaf connection on the hub, with the flow-control subjects it has interest in
-        (a mirror's answers reach the island's consumer only through one of these)."""
-        monitor = Monitor(f"http://{self.hub.config.server.monitor_listen}")
-        try:
-            leafz = await monitor.get("/leafz?subs=1")
-        except MonitorUnavailable as exc:
-            return f"not read ({exc!r})"
-        return "; ".join(
-            f"{leaf.get('name')} account {leaf.get('account')} rtt {leaf.get('rtt')} "
-            f"fc {[s for s in leaf.get('subscriptions_list') or [] if s.startswith('$JS.FC')]}"
-            for leaf in leafz.get("leafs") or []
+            f"island: {await _island_side(node)}"
         )
 
     async def _results(self) -> list[tuple[str, str]]:
