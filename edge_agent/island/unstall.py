@@ -2,10 +2,11 @@
 
 Such a consumer acknowledges by flow control: it sends a window, then waits for the hub's
 reply, which acknowledges what the mirror holds. nats-server can deadlock it for good: after
-a reset (the island's at each start, the mirror's own when it binds), a reply from before the
-reset can raise the consumer's acknowledgement floor above what it has delivered since; every
-later reply then looks old and is ignored, the window stays full, and the idle heartbeats tell
-the mirror all is well. Seen under load in the power-cut test: the mirror at lag 0, a few
+a reset the mirror did not see (the island's at each start; a restart of a second or two goes
+unnoticed), the mirror's reply, counting deliveries from before the reset, raises the
+consumer's acknowledgement floor above what it has delivered since; every later reply then
+looks old and is ignored, the window stays full, and the idle heartbeats tell the mirror all
+is well. Seen under load in the power-cut test: the mirror at lag 0, a few
 packs short of the island, for minutes, with the link up.
 
 So while the link is up, each such consumer with something unacknowledged is watched; one
