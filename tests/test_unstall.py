@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import functools
 import json
+import os
+import signal
 from datetime import UTC, datetime, timedelta
 
 from nats.js.api import ConsumerInfo
 
+from edge_agent.island.server import pid_file
 from edge_agent.island.streams import UNCOMPRESSED_PACK_WINDOW, incarnations
 from edge_agent.protocol.names import TELEMETRY, hub_consumer
 from edge_agent.status.health import collect_status
@@ -105,3 +108,28 @@ async def test_a_deadlocked_uplink_consumer_is_bound_afresh_and_the_hub_gets_eve
 
     await eventually(settled, timeout=30, what="every pack acknowledged")
     assert (await collect_status(a.config)).uplink_unstalled == status.uplink_unstalled
+
+
+async def test_an_island_restarted_while_a_hub_consumer_is_deleted_links_again(
+    hub: Hub,
+) -> None:
+    """The island dies while a hub consumer is deleted (as the agent leaves it for 25 s to
+    have it bound afresh): at its start the island resets the hub consumers before opening
+    its link, and finds that one missing instead of waiting for an answer that cannot come;
+    the link opens, the consumer is made again and the readings cross."""
+    a = await hub.device("a", sections=PACKED, register_when_ready=True)
+    first = await _pack_one(a, 0)
+    await eventually(
+        functools.partial(_packs_at_hub, hub, a, first), timeout=RESUME_TIMEOUT, what="pack 1"
+    )
+    incarnation = (await incarnations(a.js))[TELEMETRY]
+    assert incarnation is not None
+    await a.js.delete_consumer(TELEMETRY, hub_consumer(incarnation))
+    os.kill(int(pid_file(a.config).read_text()), signal.SIGKILL)
+    await a.wait_link(up=False)
+    await a.wait_link(up=True, timeout=60)
+    await eventually(lambda: _consumer(a), timeout=30, what="the hub consumer made again")
+    last = await _pack_one(a, 1)
+    await eventually(
+        functools.partial(_packs_at_hub, hub, a, last), timeout=RESUME_TIMEOUT, what="pack 2"
+    )

@@ -272,10 +272,17 @@ async def reset_hub_consumers(nc: Client) -> list[str]:
     hub's mirror itself does when it binds (see `edge_agent.island.server.open_link` for why the
     island does it first); returns the consumers reset."""
     reset = []
-    for stream, incarnation in (await incarnations(nc.jetstream())).items():
+    js = nc.jetstream()
+    for stream, incarnation in (await incarnations(js)).items():
         if incarnation is None:
             continue
         name = hub_consumer(incarnation)
+        try:
+            await js.consumer_info(stream, name)
+        except NotFoundError:
+            # The reset is the consumer's own subject: nobody would answer. The reconcile
+            # makes it again (an agent stopped while `unstall` had it deleted leaves none).
+            continue
         reply = await nc.request(f"$JS.API.CONSUMER.RESET.{stream}.{name}", b"", timeout=5)
         error = json.loads(reply.data).get("error")
         if error is None:

@@ -110,9 +110,8 @@ class Unstaller:
             self._seen[stream] = _Seen(position, now)
         elif now - seen.since >= self._stall_after(info):
             self._seen.pop(stream, None)
-            await self._rebind(stream, info, position[1])
             log.warning(
-                "uplink_unstalled",
+                "uplink_stalled",
                 stream=stream,
                 delivered=info.delivered.stream_seq,
                 delivered_consumer_seq=info.delivered.consumer_seq,
@@ -120,8 +119,9 @@ class Unstaller:
                 ack_floor_consumer_seq=info.ack_floor.consumer_seq,
                 unacknowledged=info.num_ack_pending,
                 stalled_s=round(now - seen.since, 1),
-                took_s=round(time.monotonic() - now, 1),
             )
+            await self._rebind(stream, info, position[1])
+            log.warning("uplink_unstalled", stream=stream, took_s=round(time.monotonic() - now, 1))
             count = unstalled(self.config) + 1
             last = {"unstalled": count, "last_at": utc_now_iso()}
             write_json(uplink_path(self.config), last, durable=False)
