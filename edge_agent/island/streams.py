@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import secrets
 from collections.abc import Mapping
+from typing import Any
 
 import structlog
 from nats.aio.client import Client
@@ -267,6 +268,17 @@ async def incarnations(js: JetStreamContext) -> dict[str, str | None]:
 CONSUMER_NOT_FOUND = 10014  # JetStream's err_code
 
 
+async def consumer_request(
+    nc: Client, verb: str, stream: str, consumer: str, body: bytes = b""
+) -> dict[str, Any] | None:
+    """One of a consumer's own requests (``RESET``, ``PAUSE``), to the island `nc` is on; the
+    error it answers, None if none. The consumer itself serves them: a missing one does not
+    answer, and this raises TimeoutError."""
+    reply = await nc.request(f"$JS.API.CONSUMER.{verb}.{stream}.{consumer}", body, timeout=5)
+    error: dict[str, Any] | None = json.loads(reply.data).get("error")
+    return error
+
+
 async def reset_hub_consumers(nc: Client) -> list[str]:
     """Reset each consumer a hub mirror binds to back to its acknowledgement floor, as the
     hub's mirror itself does when it binds (see `edge_agent.island.server.open_link` for why the
@@ -283,8 +295,7 @@ async def reset_hub_consumers(nc: Client) -> list[str]:
             # The reset is the consumer's own subject: nobody would answer. The reconcile
             # makes it again (an agent stopped while `unstall` had it deleted leaves none).
             continue
-        reply = await nc.request(f"$JS.API.CONSUMER.RESET.{stream}.{name}", b"", timeout=5)
-        error = json.loads(reply.data).get("error")
+        error = await consumer_request(nc, "RESET", stream, name)
         if error is None:
             reset.append(f"{stream}/{name}")
         elif error.get("err_code") != CONSUMER_NOT_FOUND:

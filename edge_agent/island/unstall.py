@@ -40,7 +40,7 @@ from nats.js.errors import APIError, NotFoundError
 
 from edge_agent.core.config import Config
 from edge_agent.island.link import LinkTracker
-from edge_agent.island.streams import incarnations
+from edge_agent.island.streams import consumer_request, incarnations
 from edge_agent.protocol.files import read_json, write_json
 from edge_agent.protocol.names import hub_consumer
 from edge_agent.protocol.units import utc_now_iso
@@ -145,9 +145,9 @@ class Unstaller:
         del self._unmade[stream]
 
     async def _api(self, verb: str, stream: str, consumer: str, body: dict[str, int]) -> None:
-        subject = f"$JS.API.CONSUMER.{verb}.{stream}.{consumer}"
-        reply = json.loads((await self.nc.request(subject, json.dumps(body).encode(), 5)).data)
-        if error := reply.get("error"):
+        if error := await consumer_request(
+            self.nc, verb, stream, consumer, json.dumps(body).encode()
+        ):
             raise APIError(code=error.get("code"), description=error.get("description"))
 
 
