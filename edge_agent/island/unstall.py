@@ -11,7 +11,8 @@ packs short of the island, for minutes, with the link up.
 
 So while the link is up, each such consumer with something unacknowledged is watched; one
 whose delivered and acknowledged positions have not moved for ``agent.uplink_stall_after``
-(60 s) is made to be bound again. A reset from the island would not do: the bound mirror
+(60 s), or for 10 s with its floor's delivery count above its delivered one (the deadlock's
+own mark), is made to be bound again. A reset from the island would not do: the bound mirror
 keeps its count, and the next window sticks the same way. Nor can its deliveries be moved
 elsewhere while the mirror listens. So the consumer is deleted; the mirror, hearing nothing
 (not even heartbeats), gives it up after 10-20 s and asks for it again every 10 s or so; the
@@ -50,6 +51,8 @@ log = structlog.get_logger(__name__)
 _POLL_S = 5.0
 # A mirror checks on its origin every 10 s, and gives up one it has not heard from in 10 s.
 _GIVEN_UP_S = 25.0
+# A floor above the delivered count that lasts this long, nothing moving, is no passing state.
+_CERTAIN_S = 10.0
 
 
 def uplink_path(config: Config) -> Path:
@@ -105,7 +108,7 @@ class Unstaller:
             self._seen.pop(stream, None)
         elif seen is None or seen.position != position:
             self._seen[stream] = _Seen(position, now)
-        elif now - seen.since >= self.config.agent.uplink_stall_after:
+        elif now - seen.since >= self._stall_after(info):
             self._seen.pop(stream, None)
             log.warning(
                 "uplink_stalled",
@@ -122,6 +125,14 @@ class Unstaller:
             count = unstalled(self.config) + 1
             last = {"unstalled": count, "last_at": utc_now_iso()}
             write_json(uplink_path(self.config), last, durable=False)
+
+    def _stall_after(self, info: ConsumerInfo) -> float:
+        """How long `info`'s consumer may stand still: a floor above what it has delivered is
+        the deadlock itself, certain once it has lasted `_CERTAIN_S`."""
+        floor, delivered = info.ack_floor, info.delivered
+        if floor and delivered and floor.consumer_seq > delivered.consumer_seq:
+            return min(_CERTAIN_S, self.config.agent.uplink_stall_after)
+        return self.config.agent.uplink_stall_after
 
     async def _rebind(self, stream: str, info: ConsumerInfo, floor: int) -> None:
         """Delete `info`'s consumer until its mirror has given it up, then make it again at
