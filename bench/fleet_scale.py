@@ -16,6 +16,10 @@ no agent. At each size:
 - ``fanout``: a broadcast command sent at the hub until every island's COMMANDS mirror has it;
 - ``rss``, ``cpu``: the hub's nats-server(s), summed over nodes: VmRSS, and CPU over an idle
   window of `--idle` seconds as percent of one core (utime + stime from /proc/<pid>/stat);
+- ``fds``: the hub's open descriptors, summed over nodes, right after every island's streams
+  and the broadcast were written (each stream's block file open: a fleet that is sending);
+  ``rest_fds`` again after `--rest` seconds with nothing written (nats-server closes an idle
+  block file within 150 s: the connections are what is left);
 - ``report``, ``status``: ``report --json`` (`collect_report`) and ``command status`` of the
   broadcast (`command_status`), the median of `REPEATS` calls after a first one;
 - ``add``: one device enrolled and attached into the fleet as it is (its island started and
@@ -93,6 +97,12 @@ def main() -> int:
         "--keep", action="store_true", help="keep the run's directory (servers' logs) and name it"
     )
     parser.add_argument("--idle", type=float, default=10.0, help="idle CPU window, seconds")
+    parser.add_argument(
+        "--rest",
+        type=float,
+        default=150.0,
+        help="quiet before descriptors are counted again, at rest (0: not again), seconds",
+    )
     parser.add_argument("--timeout", type=float, default=180.0, help="for each awaited state")
     parser.add_argument(
         "--max-hub-rss", type=float, default=4096.0, help="MiB: a size is abandoned above it"

@@ -396,6 +396,14 @@ class Fleet:
         cpu = 100 * used / (time.monotonic() - start)
         return sum(proc_rss_mib(p) for p in pids), sum(proc_fds(p) for p in pids), cpu
 
+    async def fds_at_rest(self, seconds: float) -> float:
+        """The hub's open file descriptors (summed over nodes) after `seconds` with nothing
+        written. nats-server closes a stream's block file once it has not been written for
+        30 s, which it checks at each sync (every 2 min): 150 s after the last write, only
+        the connections and the files of streams still written are open."""
+        await asyncio.sleep(seconds)  # the quiet the measurement is about, not a synchronisation
+        return float(sum(proc_fds(p) for p in self.hub_pids()))
+
     async def restart(self, timeout: float) -> tuple[float, float, float]:
         """Kill the hub and start it again: seconds until its servers are healthy, until
         every mirror has a message published after the kill, until every island has a

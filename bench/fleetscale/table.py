@@ -17,6 +17,7 @@ def line(mode: str, row: dict[str, float], agents: int) -> str:
         f"provision_pass={row['pass']:.2f}s "
         f"ready={row['ready']:.1f}s fanout={row['fanout']:.1f}s "
         f"hub_rss={row['rss']:.0f}MiB (peak {row['peak']:.0f}) hub_fds={row['fds']:.0f} "
+        f"at_rest={row['rest_fds']:.0f} "
         f"hub_cpu={row['cpu']:.1f}%core "
         f"report={row['report'] * 1000:.0f}ms status={row['status'] * 1000:.0f}ms "
         f"raft_groups={row['raft']:.0f} add_one={row['add']:.2f}s "
@@ -75,7 +76,8 @@ def summarise(results: dict[str, list[dict[str, float]]], args: argparse.Namespa
         extra += f" rss_per_node_5_over_3={per_node[target]:.2f}"
     print(
         f"devices={target} rss_mib_per_device={cost['rss']:.3f} "
-        f"fds_per_device={cost['fds']:.2f} idle_cpu_pct_per_device={cost['cpu']:.4f} "
+        f"fds_per_device={cost['fds']:.2f} "
+        f"fds_at_rest_per_device={cost['rest_fds']:.2f} idle_cpu_pct_per_device={cost['cpu']:.4f} "
         f"resume_s={last['resume']:.1f} "
         f"report_ms_per_device={last['report'] * 1000 / devices:.2f} "
         f"raft_groups_per_device={cost['raft']:.3f} "
