@@ -101,7 +101,7 @@ def main() -> int:
         "--rest",
         type=float,
         default=150.0,
-        help="quiet before descriptors are counted again, at rest (0: not again), seconds",
+        help="quiet before descriptors are counted again, at rest (0: not again, nan), seconds",
     )
     parser.add_argument("--timeout", type=float, default=180.0, help="for each awaited state")
     parser.add_argument(

@@ -20,7 +20,7 @@ from datetime import UTC, datetime, timedelta
 from nats.js.api import ConsumerInfo
 
 from edge_agent.island.server import pid_file
-from edge_agent.island.streams import UNCOMPRESSED_PACK_WINDOW, incarnations
+from edge_agent.island.streams import UNCOMPRESSED_PACK_WINDOW, consumer_request, incarnations
 from edge_agent.protocol.names import TELEMETRY, hub_consumer
 from edge_agent.status.health import collect_status
 from tests.support.cluster import PACKED, Device, Hub
@@ -32,13 +32,12 @@ WINDOW = UNCOMPRESSED_PACK_WINDOW  # packs in flight over a loopback link, uncom
 FIRST = 4 * WINDOW
 
 
-async def _consumer_api(device: Device, verb: str, body: dict[str, object]) -> dict[str, object]:
+async def _consumer_api(device: Device, verb: str, body: dict[str, object]) -> None:
     incarnation = (await incarnations(device.js))[TELEMETRY]
     assert incarnation is not None and device.nc is not None
-    subject = f"$JS.API.CONSUMER.{verb}.{TELEMETRY}.{hub_consumer(incarnation)}"
-    reply = json.loads((await device.nc.request(subject, json.dumps(body).encode(), 5)).data)
-    assert "error" not in reply, reply
-    return dict(reply)
+    name = hub_consumer(incarnation)
+    error = await consumer_request(device.nc, verb, TELEMETRY, name, json.dumps(body).encode())
+    assert error is None, error
 
 
 async def _consumer(device: Device) -> ConsumerInfo:

@@ -163,7 +163,8 @@ async def measure_size(fleet: Fleet, row: dict[str, float], args: argparse.Names
     row["fanout"] = await fleet.await_command(before, args.timeout)
     row["rss"], row["fds"], row["cpu"] = await fleet.idle(args.idle)
     row["peak"] = fleet.peak_rss()
-    row["rest_fds"] = await fleet.fds_at_rest(args.rest) if args.rest > 0 else row["fds"]
+    # Not counted again (`--rest 0`): nan, not the sending count under the at-rest name.
+    row["rest_fds"] = await fleet.fds_at_rest(args.rest) if args.rest > 0 else float("nan")
     devices = await fleet.devices()
     report = partial(collect_report, fleet.hub.nc, fleet.hub.config, devices, silent_after=60)
     row["report"] = await timed_or_nan(report, f"{mode} report")

@@ -248,8 +248,9 @@ async def sync_users(js: JetStreamContext, config: HubConfig) -> bool:
 # One takes 14 ms on an idle hub of 100 devices (79 at 500) and a device's enrolment waits for
 # it (a 50 ms poll was most of its 70 ms at 100); one under load can take seconds, and `/varz`
 # is not free for a busy hub.
-_RELOAD_POLL_S = (0.005, 0.1)
-_RELOAD_FAST_S = 1.0
+_RELOAD_POLL_FAST_S = 0.005
+_RELOAD_POLL_SLOW_S = 0.1
+_RELOAD_FAST_FOR_S = 1.0
 
 
 async def reload_server(config: HubConfig, timeout: float = 30.0) -> bool:
@@ -285,14 +286,14 @@ async def _reload(server: ServerConfig, key: str, timeout: float) -> bool:
             return False
         start = time.monotonic()
         deadline = start + timeout
-        fast, slow = _RELOAD_POLL_S
         while (await monitor.get("/varz")).get("config_load_time") == before:
             if time.monotonic() > deadline:
                 raise HubIngestError(
                     f"hub nats-server {server.server_name} (pid {pid}) did not reload "
                     f"within {timeout}s"
                 )
-            await asyncio.sleep(fast if time.monotonic() - start < _RELOAD_FAST_S else slow)
+            fast = time.monotonic() - start < _RELOAD_FAST_FOR_S
+            await asyncio.sleep(_RELOAD_POLL_FAST_S if fast else _RELOAD_POLL_SLOW_S)
     except MonitorUnavailable as exc:
         raise HubUnreachableError(
             f"cannot reload the hub's nats-server {server.server_name} (pid {pid}): its "
