@@ -33,12 +33,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
 
 from bench.slow_link import reading
-from edge_agent.island.streams import incarnations
 from edge_agent.protocol.logs import configure_logging
-from edge_agent.protocol.names import hub_consumer
 from hub_ingest.fleet.gaps import REFILL_HEADER
 from hub_ingest.local.link import Shape
-from tests.support.cluster import Device, Hub, mirror_live, start_hub
+from tests.support.cluster import Device, Hub, mirror_live, reset_uplink, start_hub
 from tests.support.scan import scan
 from tests.support.waiting import RESUME_TIMEOUT, eventually
 
@@ -68,15 +66,8 @@ async def _cut_and_fill(device: Device, first: int, count: int, *, skip: bool) -
     await device.wait_link(up=False)
     await _publish(device, first, count)
     if skip:
-        incarnation = (await incarnations(device.js))["TELEMETRY"]
         last = (await device.js.stream_info("TELEMETRY")).state.last_seq
-        assert device.nc is not None and incarnation is not None
-        reply = await device.nc.request(
-            f"$JS.API.CONSUMER.RESET.TELEMETRY.{hub_consumer(incarnation)}",
-            json.dumps({"seq": last + 1}).encode(),
-            timeout=5,
-        )
-        assert "error" not in json.loads(reply.data), reply.data
+        await reset_uplink(device, last + 1)
 
 
 async def _mirror_last(hub: Hub, mirror: str) -> int:

@@ -15,8 +15,7 @@ import pytest
 from nats.js.api import RawStreamMsg
 from pyspark.sql import SparkSession
 
-from edge_agent.island.streams import incarnations, packs_budget, reconcile
-from edge_agent.protocol.names import hub_consumer
+from edge_agent.island.streams import packs_budget, reconcile
 from edge_agent.protocol.pack import (
     PACK_HEADER,
     PACK_SUBJECT,
@@ -40,6 +39,7 @@ from tests.support.cluster import (
     Hub,
     mirror_live,
     packed_readings,
+    reset_uplink,
     stream_messages,
 )
 from tests.support.ingest import aggregate_has, ingest_config, run_once
@@ -282,14 +282,7 @@ async def test_packs_a_mirror_skipped_are_refilled_and_archived_as_readings(
     for burst in range(3):  # three packs at least
         await _publish(device, 5 + burst * 10, 10)
         await eventually(partial(_island_packs, device, before + burst + 1), timeout=10)
-    incarnation = (await incarnations(device.js))["TELEMETRY"]
-    assert incarnation is not None and device.nc is not None
-    reply = await device.nc.request(
-        f"$JS.API.CONSUMER.RESET.TELEMETRY.{hub_consumer(incarnation)}",
-        json.dumps({"seq": before + 3}).encode(),
-        timeout=5,
-    )
-    assert "error" not in json.loads(reply.data), reply.data
+    await reset_uplink(device, before + 3)
     skipped = packed_seqs(
         [
             m

@@ -11,15 +11,13 @@ import json
 from nats.aio.msg import Msg
 from pyspark.sql import SparkSession
 
-from edge_agent.island.streams import incarnations
-from edge_agent.protocol.names import hub_consumer
 from hub_ingest.archive.audit import Gap, audit_archive, missing_range
 from hub_ingest.fleet.gaps import REFILL_HEADER, MirrorGaps, healed, read_gaps
 from hub_ingest.fleet.provision import provision
 from hub_ingest.fleet.registry import Registry
 from hub_ingest.report.collect import collect_report, hub_gaps
 from hub_ingest.report.model import SourceState
-from tests.support.cluster import UNPACKED, Device, Hub
+from tests.support.cluster import UNPACKED, Device, Hub, reset_uplink
 from tests.support.hubcluster import ClusterHub
 from tests.support.ingest import ingest_config, run_once, telemetry
 from tests.support.scan import scan
@@ -38,14 +36,7 @@ async def _skip(hub: Hub, a: Device, *, floor: int = 9, before_restore: bool = F
     await a.wait_link(up=False)
     for i in range(5, 10):
         await a.js.publish("tele.temp", str(i).encode())
-    incarnation = (await incarnations(a.js))["TELEMETRY"]
-    assert incarnation is not None and a.nc is not None
-    reply = await a.nc.request(
-        f"$JS.API.CONSUMER.RESET.TELEMETRY.{hub_consumer(incarnation)}",
-        json.dumps({"seq": floor}).encode(),
-        timeout=5,
-    )
-    assert "error" not in json.loads(reply.data), reply.data
+    await reset_uplink(a, floor)
     if not before_restore:
         a.proxy.restore()
         await eventually(lambda: _last_seq(hub, mirror, 10), timeout=RESUME_TIMEOUT, what="10")
@@ -138,14 +129,7 @@ async def test_what_a_mirror_made_again_starts_above_is_refilled_from_the_island
     await eventually(lambda: _last_seq(hub, mirror, 10), timeout=RESUME_TIMEOUT, what="10")
     await hub.js.delete_stream(mirror)
     # As the engine did when it made a lost mirror again: it bound at the consumer's floor.
-    incarnation = (await incarnations(a.js))["TELEMETRY"]
-    assert incarnation is not None and a.nc is not None
-    reply = await a.nc.request(
-        f"$JS.API.CONSUMER.RESET.TELEMETRY.{hub_consumer(incarnation)}",
-        json.dumps({"seq": 11}).encode(),
-        timeout=5,
-    )
-    assert "error" not in json.loads(reply.data), reply.data
+    await reset_uplink(a, 11)
     await provision(hub.js, hub.config, await (await Registry.open(hub.js)).list())
     await a.js.publish("tele.temp", b"10")
 
@@ -352,12 +336,7 @@ async def test_on_a_cluster_a_new_mirror_leader_above_its_copy_is_refilled_once(
     cluster = (await hub.js.stream_info(mirror)).cluster
     assert cluster is not None and cluster.leader is not None
     await hub.kill(cluster.leader)
-    incarnation = (await incarnations(a.js))["TELEMETRY"]
-    assert incarnation is not None and a.nc is not None
-    reply = await a.nc.request(
-        f"$JS.API.CONSUMER.RESET.TELEMETRY.{hub_consumer(incarnation)}", b'{"seq": 9}', timeout=5
-    )
-    assert "error" not in json.loads(reply.data), reply.data
+    await reset_uplink(a, 9)
     for i in range(5, 10):
         await a.js.publish("tele.temp", str(i).encode())
     await hub.start(cluster.leader)

@@ -29,7 +29,7 @@ from nats.aio.msg import Msg
 from nats.js.errors import APIError
 
 from edge_agent.island.server import pid_file
-from edge_agent.island.streams import incarnations
+from edge_agent.island.streams import consumer_request, incarnations
 from edge_agent.protocol.names import COMMAND_MIRROR, TELEMETRY, command_stream, hub_consumer
 from edge_agent.protocol.pack import PACK_HEADER, decode
 from edge_agent.status.health import collect_status
@@ -471,14 +471,12 @@ async def _skip_stored(node: Node) -> bool:
         incarnation = (await incarnations(node.device.js))[TELEMETRY]
         last = (await node.device.js.stream_info(TELEMETRY)).state.last_seq
         assert node.device.nc is not None and incarnation is not None
-        reply = await node.device.nc.request(
-            f"$JS.API.CONSUMER.RESET.{TELEMETRY}.{hub_consumer(incarnation)}",
-            json.dumps({"seq": last + 1}).encode(),
-            timeout=5,
-        )
+        name = hub_consumer(incarnation)
+        body = json.dumps({"seq": last + 1}).encode()
+        error = await consumer_request(node.device.nc, "RESET", TELEMETRY, name, body)
     except _TRANSIENT:
         return False
-    return "error" not in json.loads(reply.data)
+    return error is None
 
 
 async def _island_side(node: Node) -> str:

@@ -26,7 +26,9 @@ from tenacity import retry, retry_if_exception_type, stop_after_attempt
 from edge_agent.app import Agent
 from edge_agent.commands.handlers import Handler
 from edge_agent.core.config import Config, parse_config
+from edge_agent.island.streams import consumer_request, incarnations
 from edge_agent.protocol.monitor import Monitor
+from edge_agent.protocol.names import TELEMETRY, hub_consumer
 from edge_agent.protocol.natsserver import resolve_nats_server
 from edge_agent.protocol.pack import PACK_HEADER, PACK_SUBJECT, Reading, decode
 from edge_agent.protocol.tomlconf import format_sync
@@ -322,6 +324,16 @@ async def hub_readings(js: JetStreamContext, device_id: str, subject: str) -> li
         elif msg.subject == packs:
             bodies += [r.data for r in packed_readings([msg]) if r.subject == subject]
     return bodies
+
+
+async def reset_uplink(device: Device, seq: int) -> None:
+    """Move the consumer the hub's mirror reads the device's TELEMETRY through back (or on)
+    to `seq`, as the engine does when a mirror binds; the island must take it."""
+    incarnation = (await incarnations(device.js))[TELEMETRY]
+    assert incarnation is not None and device.nc is not None
+    body = json.dumps({"seq": seq}).encode()
+    error = await consumer_request(device.nc, "RESET", TELEMETRY, hub_consumer(incarnation), body)
+    assert error is None, error
 
 
 async def stream_has(js: JetStreamContext, stream: str, subject: str) -> bool:
