@@ -20,16 +20,24 @@ from datetime import UTC, datetime, timedelta
 from nats.js.api import ConsumerInfo
 
 from edge_agent.island.server import pid_file
-from edge_agent.island.streams import UNCOMPRESSED_PACK_WINDOW, consumer_request, incarnations
+from edge_agent.island.streams import (
+    UNCOMPRESSED_PACK_WINDOW,
+    consumer_request,
+    hub_consumer_config,
+    incarnations,
+)
 from edge_agent.protocol.names import TELEMETRY, hub_consumer
 from edge_agent.status.health import collect_status
-from tests.support.cluster import PACKED, Device, Hub
+from tests.support.cluster import PACKED, Device, Hub, mirror_silent_for
+from tests.support.ingest import aggregate_has, readings_held
 from tests.support.waiting import RESUME_TIMEOUT, eventually
 
 WINDOW = UNCOMPRESSED_PACK_WINDOW  # packs in flight over a loopback link, uncompressed
 # Packs that cross one by one first: the mirror's delivery count well above two windows (the
 # deadlock needs its reply to stay above all the consumer delivers in them).
 FIRST = 4 * WINDOW
+# Packs the mirror holds when its consumer is made again from the first: many windows.
+BEHIND = 40
 
 
 async def _consumer_api(device: Device, verb: str, body: dict[str, object]) -> None:
@@ -132,3 +140,44 @@ async def test_an_island_restarted_while_a_hub_consumer_is_deleted_links_again(
     await eventually(
         functools.partial(_packs_at_hub, hub, a, last), timeout=RESUME_TIMEOUT, what="pack 2"
     )
+
+
+async def test_an_uplink_consumer_made_again_from_its_first_message_moves_past_the_hub(
+    hub: Hub,
+) -> None:
+    """The consumer made again from its first message while the mirror holds far more (as the
+    agent's reconcile makes it when the agent was killed while the consumer was deleted to be
+    bound afresh): the mirror ignores what it holds, its replies leave a window of the
+    consumer unacknowledged for good, and rebinding it at its floor sticks the same way. The
+    hub's watch finds the consumer behind its mirror and moves it past what the mirror holds;
+    the readings after cross, each once."""
+    a = await hub.device("a", sections=PACKED, register_when_ready=True)
+    crossed = 0
+    for n in range(BEHIND):
+        crossed = await _pack_one(a, n)
+    await eventually(
+        functools.partial(_packs_at_hub, hub, a, crossed), timeout=RESUME_TIMEOUT, what="packs"
+    )
+    incarnation = (await incarnations(a.js))[TELEMETRY]
+    assert incarnation is not None
+    await a.js.delete_consumer(TELEMETRY, hub_consumer(incarnation))
+    mirror = await hub.mirror(a.id)
+    # The mirror gives up the consumer it heard nothing from; then it is made again.
+    await eventually(lambda: mirror_silent_for(hub.js, mirror, 15), timeout=60, what="given up")
+    await hub.stop_watching()  # the hub looks away while the consumer falls behind
+    config = hub_consumer_config(a.config, TELEMETRY, incarnation, packed=True)
+    await a.js.add_consumer(TELEMETRY, config)
+
+    async def behind() -> bool:
+        info = await _consumer(a)
+        return info.delivered.stream_seq < crossed and info.num_ack_pending > 0
+
+    # Sending again what the mirror holds, from the first message: what the hub must mend.
+    await eventually(behind, timeout=30, what="the consumer behind the mirror")
+    hub.start_watch()
+    for n in range(BEHIND, BEHIND + 3 * WINDOW):
+        await a.js.publish("tele.temp", str(n).encode())
+    # The hub looks at a linked island's consumer as it starts and every 30 s after.
+    everything = functools.partial(aggregate_has, hub, "FLEET_TELEMETRY", BEHIND + 3 * WINDOW)
+    await eventually(everything, timeout=RESUME_TIMEOUT + 40, what="every reading at the hub")
+    assert await readings_held(hub.js, "FLEET_TELEMETRY") == BEHIND + 3 * WINDOW

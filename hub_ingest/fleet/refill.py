@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -70,7 +71,15 @@ from hub_ingest.fleet.gaps import (
     refilled_seqs,
     to_ranges,
 )
-from hub_ingest.fleet.requests import Listed, ask, ask_json, deleted_seqs, seq_of, stream_states
+from hub_ingest.fleet.requests import (
+    Listed,
+    ask,
+    ask_json,
+    deleted_seqs,
+    island_stream,
+    seq_of,
+    stream_states,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -217,13 +226,24 @@ class Refiller:
         """Refill what lies between the mirror's last sequence and the island consumer's
         acknowledgement floor. The floor moves only on the hub's acknowledgement, sent once the
         hub has stored a message, so a floor above the mirror's last sequence (read after the
-        floor) is a range the mirror will never be sent."""
-        subject = (
-            f"{target.device.api_prefix}.CONSUMER.INFO."
-            f"{target.incarnation.stream}.{hub_consumer(target.incarnation.id)}"
-        )
+        floor) is a range the mirror will never be sent.
+
+        A consumer that delivers again what the mirror holds (below its last sequence, read
+        before the consumer) is moved past it. Made again from its first message (its agent
+        killed while it had it deleted to be bound afresh), or its floor lost, it would stick
+        for good: the mirror ignores what it holds, and answers each window with its own last
+        sequence, which the consumer takes as its floor once and then ignores as old."""
+        api = f"{target.device.api_prefix}.CONSUMER.%s.{target.incarnation.stream}."
+        api += hub_consumer(target.incarnation.id)
+        island = functools.partial(ask_json, self.nc, target.device, timeout=ASK_TIMEOUT)
+        before = (await self.js.stream_info(target.mirror)).state.last_seq
         try:
-            info = await ask_json(self.nc, target.device, subject, timeout=ASK_TIMEOUT)
+            info = await island(api % "INFO")
+            delivered = int(((info.get("delivered") or {}).get("stream_seq")) or 0)
+            if delivered < before:
+                moved = await island(api % "RESET", {"seq": before + 1})
+                what = {"delivered": delivered, "to": before + 1, "error": moved.get("error")}
+                log.warning("island_consumer_advanced", mirror=target.mirror, **what)
         except (nats.errors.Error, TimeoutError, ValueError):
             return  # the island did not answer: tried again later
         floor = int(((info.get("ack_floor") or {}).get("stream_seq")) or 0)
@@ -255,7 +275,8 @@ class Refiller:
             kept |= await in_aggregate(self.js, self.nc, self.api, target, todo)
             todo = [s for s in todo if s not in kept]
         if todo:
-            island = await self._island_state(target)
+            stream = target.incarnation.stream
+            island = await island_stream(self.nc, target.device, stream, timeout=ASK_TIMEOUT)
             if island is None:
                 pending = todo
             else:
@@ -363,16 +384,6 @@ class Refiller:
         return MirrorGaps(
             target.mirror, target.device.device_id, target.incarnation.id, target.incarnation.stream
         )
-
-    async def _island_state(self, target: Target) -> dict[str, Any] | None:
-        """The island stream's info, None when the island does not answer."""
-        subject = f"{target.device.api_prefix}.STREAM.INFO.{target.incarnation.stream}"
-        try:
-            info = await ask_json(self.nc, target.device, subject, timeout=ASK_TIMEOUT)
-        except (nats.errors.Error, TimeoutError, ValueError) as exc:
-            log.debug("island_unreachable", mirror=target.mirror, error=repr(exc))
-            return None
-        return info if "error" not in info else None
 
     async def _refill(
         self, target: Target, todo: list[int], island: Mapping[str, Any]

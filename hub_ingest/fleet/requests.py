@@ -59,13 +59,32 @@ async def ask(
             await sub.unsubscribe()
 
 
-async def ask_json(nc: Client, device: Device, subject: str, *, timeout: float) -> dict[str, Any]:
+async def ask_json(
+    nc: Client,
+    device: Device,
+    subject: str,
+    body: Mapping[str, Any] | None = None,
+    *,
+    timeout: float,
+) -> dict[str, Any]:
     """A JetStream API request to a device's island; its JSON answer."""
-    [reply] = await ask(nc, device, subject, {}, timeout=timeout)
+    [reply] = await ask(nc, device, subject, body or {}, timeout=timeout)
     answer = json.loads(reply.data)
     if not isinstance(answer, dict):
         raise ValueError(f"not a JSON object: {reply.data[:80]!r}")
     return answer
+
+
+async def island_stream(
+    nc: Client, device: Device, stream: str, *, timeout: float
+) -> dict[str, Any] | None:
+    """A stream's info on a device's island; None when the island does not answer."""
+    subject = f"{device.api_prefix}.STREAM.INFO.{stream}"
+    try:
+        info = await ask_json(nc, device, subject, timeout=timeout)
+    except (nats.errors.Error, TimeoutError, ValueError):
+        return None
+    return info if "error" not in info else None
 
 
 @dataclass(frozen=True, slots=True)
