@@ -240,7 +240,7 @@ class Refiller:
         try:
             info = await island(api % "INFO")
             delivered = int(((info.get("delivered") or {}).get("stream_seq")) or 0)
-            if delivered < before:
+            if delivered < before and "error" not in info:  # not one being made again
                 moved = await island(api % "RESET", {"seq": before + 1})
                 what = {"delivered": delivered, "to": before + 1, "error": moved.get("error")}
                 log.warning("island_consumer_advanced", mirror=target.mirror, **what)
