@@ -28,7 +28,7 @@ from edge_agent.island.streams import (
 )
 from edge_agent.protocol.names import TELEMETRY, hub_consumer
 from edge_agent.status.health import collect_status
-from tests.support.cluster import PACKED, Device, Hub, mirror_silent_for
+from tests.support.cluster import PACKED, Device, Hub, mirror_silent_for, reset_uplink
 from tests.support.ingest import aggregate_has, readings_held
 from tests.support.waiting import RESUME_TIMEOUT, eventually
 
@@ -92,7 +92,7 @@ async def test_a_deadlocked_uplink_consumer_is_bound_afresh_and_the_hub_gets_eve
     waiting = [await _pack_one(a, n) for n in range(FIRST, FIRST + 3)]
     # Back a window below what the mirror holds, and let it go: the old window, then the
     # three new packs, which the mirror takes; its replies are then ignored.
-    await _consumer_api(a, "RESET", {"seq": crossed - WINDOW + 1})
+    await reset_uplink(a, crossed - WINDOW + 1)
     await _consumer_api(a, "PAUSE", {})
 
     async def deadlocked() -> ConsumerInfo | None:
