@@ -31,7 +31,7 @@ from hub_ingest.archive.columns import header_map, unpack
 from hub_ingest.fleet.gaps import healed
 from hub_ingest.ingest.source import ARROW_SCHEMA
 from hub_ingest.local.link import Shape
-from hub_ingest.report.collect import readings_dropped
+from hub_ingest.report.heartbeats import readings_dropped
 from tests.support.cluster import (
     PACKED,
     UNPACKED,

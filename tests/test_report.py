@@ -103,9 +103,22 @@ async def test_report_flags_cut_and_never_seen_devices(hub: Hub, tmp_path: Path)
     assert run.code == 1, run.stderr
     _check_json(json.loads(run.stdout), expected)
     _check_dot(dot.read_text())
+    lines = await hub_ingest("-c", str(hub_toml), "report", "--json-lines", "--silent-after", "5s")
+    assert lines.code == 1, lines.stderr
+    _check_json(_document(lines.stdout), expected)
     table = await hub_ingest("-c", str(hub_toml), "report", "--silent-after", "5s")
     assert table.code == 1
     _check_table(table.stdout)
+
+
+def _document(text: str) -> dict[str, Any]:
+    """The ``--json`` document put together from ``--json-lines`` output: the report's line,
+    one per device, the summary's, in that order."""
+    lines = [json.loads(line) for line in text.splitlines()]
+    kinds = [line.pop("type") for line in lines]
+    assert kinds == ["report", *["device"] * (len(lines) - 2), "summary"]
+    head, *devices, summary = lines
+    return {**head, "devices": devices, **summary}
 
 
 def _check_json(doc: dict[str, Any], expected: dict[str, list[str]]) -> None:

@@ -20,7 +20,7 @@ from hub_ingest.core.config import HubConfig
 from hub_ingest.core.connect import hub_connection
 from hub_ingest.fleet.registry import Registry
 from hub_ingest.fleet.streams import AGGREGATES
-from hub_ingest.report.collect import collect_report
+from hub_ingest.report.collect import Collection, start_report
 from hub_ingest.report.html import render_html
 from hub_ingest.report.metrics import render_prometheus
 from hub_ingest.report.model import DeviceReport, FleetReport
@@ -32,6 +32,12 @@ ARCHIVE = "archive"
 def register(sub: Any) -> None:
     p = sub.add_parser("report", help="per-device link, lag, heartbeat and command backlog")
     p.add_argument("--json", action="store_true", help="machine-readable output (see README)")
+    p.add_argument(
+        "--json-lines",
+        action="store_true",
+        help="the same, one JSON object a line, each device's written as soon as it is read "
+        "(for large fleets)",
+    )
     p.add_argument("--dot", type=Path, metavar="FILE", help="also write the replication graph")
     p.add_argument(
         "--prometheus", action="store_true", help="Prometheus text format, one series per device"
@@ -60,20 +66,42 @@ def register(sub: Any) -> None:
 async def _report(config: HubConfig, args: argparse.Namespace) -> int:
     async with hub_connection(config, name="hub-ingest-report") as nc:
         devices = await (await Registry.open(nc.jetstream(domain=config.nats.domain))).list()
-        report = await collect_report(
+        collection = await start_report(
             nc, config, devices, silent_after=args.silent_after, monitor=args.monitor_url
         )
+        report = await (_json_lines(collection) if args.json_lines else collection.report())
     if args.dot is not None:
         args.dot.write_text(render_dot(report), encoding="utf-8")
     if args.html is not None:
         write_durably(args.html, render_html(report))
-    if args.prometheus:
+    if args.json_lines:
+        pass  # written as it was read
+    elif args.prometheus:
         sys.stdout.write(render_prometheus(report))
     elif args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:
         sys.stdout.write(render_table(report))
     return 1 if report.flagged else 0
+
+
+async def _json_lines(collection: Collection) -> FleetReport:
+    """``--json-lines``: the ``--json`` document's parts, one object a line, each device's
+    written and flushed as soon as it is read: a ``report`` line (schema, time, threshold),
+    a ``device`` line per device, a ``summary`` line (flagged, totals, warnings) last."""
+    _line({"type": "report", **collection.header()})
+    reports = []
+    async for device in collection.devices():
+        reports.append(device)
+        _line({"type": "device", **device.to_dict()})
+    report = collection.finish(reports)
+    _line({"type": "summary", **report.summary()})
+    return report
+
+
+def _line(obj: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
 
 
 def age(seconds: float | None) -> str:

@@ -21,8 +21,7 @@ with its monitoring endpoint down still gets a report, with the missing parts le
 from __future__ import annotations
 
 import asyncio
-from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -30,17 +29,26 @@ from typing import Any
 from nats.aio.client import Client
 
 from edge_agent.protocol.names import command_stream, island_name
-from edge_agent.protocol.pack import READINGS
 from edge_agent.protocol.units import format_time, parse_time
 from hub_ingest.commands.attribution import Attribution, attribute
 from hub_ingest.commands.index import CommandIndex, Tally, json_object
 from hub_ingest.core.config import HubConfig
-from hub_ingest.core.gather import gather_bounded
 from hub_ingest.fleet.gaps import MirrorGaps, read_gaps
 from hub_ingest.fleet.registry import Device
 from hub_ingest.fleet.streams import AGGREGATES, mirror_name, stream_list
+from hub_ingest.report.heartbeats import (
+    EVENTS,
+    Forgeries,
+    beat_figure,
+    beat_uplinks,
+    heartbeat_forgeries,
+    heartbeat_subject,
+    last_heartbeats,
+    readings_dropped,
+)
 from hub_ingest.report.hub import OFFLINE, HubApi, Stored, linked_leaves, monitor_urls
 from hub_ingest.report.model import (
+    SCHEMA,
     CommandCounts,
     CommandError,
     DeviceReport,
@@ -49,7 +57,6 @@ from hub_ingest.report.model import (
     SourceState,
 )
 
-EVENTS = next(a for a in AGGREGATES if a.device_stream == "EVENTS")
 # Devices whose hub streams are read at once: a large fleet's report waits on round trips,
 # not on the hub, which answers many requests in parallel.
 CONCURRENT_DEVICES = 32
@@ -62,35 +69,6 @@ class _Command:
     expires_at: datetime | None
 
 
-def _beat_figure(body: Mapping[str, Any] | None, *path: str) -> int | None:
-    """A count at `path` in a heartbeat's body (None: absent)."""
-    value: object = body
-    for key in path:
-        value = value.get(key) if isinstance(value, dict) else None
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def readings_dropped(beat: Mapping[str, Any] | None) -> int | None:
-    """Readings the device's budget dropped, by heartbeat `beat`: READINGS' when it packs
-    (its TELEMETRY then counts packs), else TELEMETRY's."""
-    readings = _beat_figure(beat, "streams", READINGS, "dropped")
-    return (
-        readings if readings is not None else _beat_figure(beat, "streams", "TELEMETRY", "dropped")
-    )
-
-
-def _beat_uplinks(beat: Mapping[str, Any] | None) -> dict[str, dict[str, Any]]:
-    """Each stream's ``uplink`` block of a heartbeat (see `edge_agent.status.health.Uplink`)."""
-    streams = (beat or {}).get("streams")
-    if not isinstance(streams, dict):
-        return {}
-    return {
-        name: body["uplink"]
-        for name, body in streams.items()
-        if isinstance(body, dict) and isinstance(body.get("uplink"), dict)
-    }
-
-
 def _command(subject: str, data: bytes) -> _Command | None:
     """The command in a ``CMD_<id>`` message; None for a malformed envelope, which has no id
     to match a result to (its device answers "rejected")."""
@@ -99,39 +77,6 @@ def _command(subject: str, data: bytes) -> _Command | None:
     if envelope is None or not isinstance(envelope.get("id"), str) or len(tokens) < 3:
         return None
     return _Command(envelope["id"], tokens[1], parse_time(envelope.get("expires_at")))
-
-
-class _Forgeries:
-    """Events that claim another device, per sender, for the report's warnings."""
-
-    def __init__(self) -> None:
-        self.counts: Counter[str] = Counter()
-        self.examples: dict[str, str] = {}
-
-    def note(self, sender: Attribution, count: int = 1) -> None:
-        device = sender.device_id or "?"
-        self.counts[device] += count
-        self.examples.setdefault(device, sender.forgery or "")
-
-    def warnings(self) -> list[str]:
-        return [
-            f"device {d} sent {n} event(s) claiming another device, ignored (e.g. "
-            f"{self.examples[d]})"
-            for d, n in sorted(self.counts.items())
-        ]
-
-
-async def _heartbeat_forgeries(api: HubApi, stream: str, forged: _Forgeries) -> None:
-    """Heartbeats a device published under another device's subject (counted per subject by
-    the server, without reading them)."""
-    info = await api.request(
-        f"STREAM.INFO.{stream}", {"subjects_filter": "fleet.*.evt.*.heartbeat"}
-    )
-    subjects = ((info or {}).get("state") or {}).get("subjects") or {}
-    for subject, count in subjects.items():
-        sender = attribute(subject, None, "heartbeat")
-        if not sender.trusted:
-            forged.note(sender, int(count))
 
 
 async def _command_state(
@@ -227,7 +172,7 @@ def hub_gaps(
     (`hub-ingest audit` names them)."""
     gaps = {}
     for source in sources:
-        dropped = _beat_figure(beat, "streams", source.device_stream, "dropped") or 0
+        dropped = beat_figure(beat, "streams", source.device_stream, "dropped") or 0
         skipped = (source.skipped or 0) - (accounted or {}).get(source.device_stream, 0)
         if skipped > dropped:
             gaps[source.device_stream] = (skipped, dropped)
@@ -263,30 +208,10 @@ class _Fleet:
     infos: dict[str, dict[str, Any] | None]  # the aggregates
     mirror_gaps: Mapping[str, MirrorGaps]
     leaves: set[str] | None
-    forged: _Forgeries
+    forged: Forgeries
     now: datetime
     silent_after: float
     heartbeats: Mapping[str, Stored]  # each device's last, by subject
-
-
-def _heartbeat_subject(device_id: str) -> str:
-    return f"{EVENTS.subject_prefix(device_id)}.{device_id}.heartbeat"
-
-
-async def _last_heartbeats(
-    api: HubApi, infos: Mapping[str, Any], devices: Iterable[Device]
-) -> dict[str, Stored]:
-    """The last heartbeat of each of `devices`, by subject, read per events aggregate."""
-    subjects: dict[str, list[str]] = {}
-    for device in devices:
-        subjects.setdefault(EVENTS.stream_name(device.shard), []).append(
-            _heartbeat_subject(device.device_id)
-        )
-    found: dict[str, Stored] = {}
-    for stream, wanted in subjects.items():
-        if infos.get(stream):
-            found |= await api.last_messages(stream, wanted)
-    return found
 
 
 async def _device_report(fleet: _Fleet, device: Device) -> tuple[DeviceReport, list[str]]:
@@ -318,7 +243,7 @@ async def _device_report(fleet: _Fleet, device: Device) -> tuple[DeviceReport, l
     )
     if any(s.error == OFFLINE for s in sources):
         warnings.append(f"device {device.device_id}: its streams on the hub are {OFFLINE}")
-    subject = _heartbeat_subject(device.device_id)
+    subject = heartbeat_subject(device.device_id)
     heartbeat = fleet.heartbeats.get(subject)
     beat = json_object(heartbeat.data) if heartbeat else None
     if heartbeat is not None and not (sender := attribute(subject, beat, "heartbeat")).trusted:
@@ -351,27 +276,82 @@ async def _device_report(fleet: _Fleet, device: Device) -> tuple[DeviceReport, l
         last_heartbeat_age_s=beat_age,
         last_seen_s=last_seen,
         telemetry_dropped=readings_dropped(beat),
-        dead_letters=_beat_figure(beat, "outbox", "dead_letters"),
+        dead_letters=beat_figure(beat, "outbox", "dead_letters"),
         commands=counts,
         last_error=last_error,
         flags=_flags(last_seen, fleet.silent_after, gaps, device_gaps),
         incarnations=device.incarnations,
         forged_events=fleet.forged.counts[device.device_id],
-        uplinks=_beat_uplinks(beat),
+        uplinks=beat_uplinks(beat),
         gaps=device_gaps,
     )
     return report, warnings
 
 
-async def collect_report(
+class Collection:
+    """A report being read: what the whole fleet shares was read at `start_report`; each
+    device's part is read as `devices` is iterated, in ``device_id`` order, so a large
+    fleet's report can be written out while the rest is still being read. `warnings` is
+    complete once `devices` is exhausted."""
+
+    def __init__(self, fleet: _Fleet, devices: list[Device], warnings: list[str]) -> None:
+        self.generated_at = format_time(fleet.now)
+        self.silent_after_s = fleet.silent_after
+        self.warnings = warnings
+        self._fleet, self._devices = fleet, devices
+
+    def header(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA,
+            "generated_at": self.generated_at,
+            "silent_after_s": self.silent_after_s,
+        }
+
+    def finish(self, reports: Iterable[DeviceReport]) -> FleetReport:
+        """The report of `reports`, read from `devices` to the end."""
+        return FleetReport(
+            self.generated_at, self.silent_after_s, tuple(reports), tuple(self.warnings)
+        )
+
+    async def report(self) -> FleetReport:
+        return self.finish([d async for d in self.devices()])
+
+    async def devices(self) -> AsyncIterator[DeviceReport]:
+        gate = asyncio.Semaphore(CONCURRENT_DEVICES)
+
+        async def read(device: Device) -> tuple[DeviceReport, list[str]]:
+            async with gate:
+                return await _device_report(self._fleet, device)
+
+        reading = [asyncio.ensure_future(read(d)) for d in self._devices]
+        dead_letters: list[str] = []
+        try:
+            for step in reading:
+                report, said = await step
+                self.warnings.extend(said)
+                if report.dead_letters:
+                    dead_letters.append(
+                        f"device {report.device_id} has {report.dead_letters} outbox rows its "
+                        f"island refused for good (edge-agent dead-letter list, on the device)"
+                    )
+                yield report
+        finally:
+            for step in reading:  # a reader that stops early leaves no request running
+                step.cancel()
+        self.warnings.extend(self._fleet.forged.warnings())
+        self.warnings.extend(dead_letters)
+
+
+async def start_report(
     nc: Client,
     config: HubConfig,
     devices: Iterable[Device],
     *,
     silent_after: float,
     monitor: str | None = None,
-) -> FleetReport:
-    """Read the hub's streams and monitoring endpoint into a `FleetReport`."""
+) -> Collection:
+    """Read what every device's part of the report shares: the aggregates, the links, the
+    command index, the heartbeats and the gaps."""
     domain = config.nats.domain
     # nats-py's 5 s, not the hub tools' 20: a report taken while a cluster elects a leader is
     # asked again by its caller sooner (the chaos test's report during a node kill is).
@@ -395,22 +375,24 @@ async def collect_report(
     event_streams = [n for n in names if infos[n] is not None and n.startswith(EVENTS.base_name)]
     index = await CommandIndex.open(js, config.replicas)
     await index.catch_up(event_streams, commands=False)
-    forged = _Forgeries()
+    forged = Forgeries()
     for name in event_streams:
-        await _heartbeat_forgeries(api, name, forged)
+        await heartbeat_forgeries(api, name, forged)
 
-    heartbeats = await _last_heartbeats(api, infos, devices)
+    heartbeats = await last_heartbeats(api, infos, devices)
     gaps = await read_gaps(js)
     fleet = _Fleet(api, index, infos, gaps, leaves, forged, now, silent_after, heartbeats)
-    done = await gather_bounded((_device_report(fleet, d) for d in devices), CONCURRENT_DEVICES)
-    reports = [report for report, _ in done]
-    for _, said in done:
-        warnings.extend(said)
-    warnings.extend(forged.warnings())
-    warnings.extend(
-        f"device {d.device_id} has {d.dead_letters} outbox rows its island refused for good "
-        f"(edge-agent dead-letter list, on the device)"
-        for d in reports
-        if d.dead_letters
-    )
-    return FleetReport(format_time(now), silent_after, tuple(reports), tuple(warnings))
+    return Collection(fleet, devices, warnings)
+
+
+async def collect_report(
+    nc: Client,
+    config: HubConfig,
+    devices: Iterable[Device],
+    *,
+    silent_after: float,
+    monitor: str | None = None,
+) -> FleetReport:
+    """Read the hub's streams and monitoring endpoint into a `FleetReport`."""
+    started = await start_report(nc, config, devices, silent_after=silent_after, monitor=monitor)
+    return await started.report()

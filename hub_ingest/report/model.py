@@ -107,6 +107,16 @@ class DeviceReport:
     uplinks: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     gaps: GapCounts = field(default_factory=GapCounts)
 
+    def to_dict(self) -> dict[str, Any]:
+        """One object of the ``--json`` document's ``devices``."""
+        return {
+            **asdict(self),
+            "flagged": self.flagged,
+            "incarnation": self.incarnation,
+            "incarnation_changed_at": self.incarnation_changed_at,
+            "skipped": self.skipped,
+        }
+
     @property
     def incarnation(self) -> str | None:
         """The current incarnation of the device's ``EVENTS`` (its results and heartbeats)."""
@@ -177,17 +187,14 @@ class FleetReport:
             "schema": SCHEMA,
             "generated_at": self.generated_at,
             "silent_after_s": self.silent_after_s,
+            "devices": [d.to_dict() for d in self.devices],
+            **self.summary(),
+        }
+
+    def summary(self) -> dict[str, Any]:
+        """What the document says of the whole fleet."""
+        return {
             "flagged": self.flagged,
             "totals": asdict(self.totals),
-            "devices": [
-                {
-                    **asdict(d),
-                    "flagged": d.flagged,
-                    "incarnation": d.incarnation,
-                    "incarnation_changed_at": d.incarnation_changed_at,
-                    "skipped": d.skipped,
-                }
-                for d in self.devices
-            ],
             "warnings": list(self.warnings),
         }
