@@ -61,6 +61,7 @@ from nats.js.api import (
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
 
 from bench.fleetscale.common import BenchError, proc_cpu_s, proc_fds, proc_rss_mib
+from edge_agent.protocol.monitor import Monitor
 from edge_agent.protocol.natsserver import ServerProcess
 from hub_ingest.fleet.server import SERVER_ENV
 from hub_ingest.local.fleet import free_port
@@ -69,6 +70,10 @@ SHAPES = ("current", "direct", "filtered", "lean", "single")
 UPLINK = ("T", "E")  # the island streams the hub collects
 PER_AGGREGATE = 100  # sources of one aggregate shard: the product's default
 HUB_API = "$JS.hub.API"
+MONITOR_TIMEOUT = 20.0
+# With --pin: the hub on the first CPU, the islands on the others, so that neither waits for
+# the other's turn (the islands at niceness 19 still take what the hub leaves when unpinned).
+ISLAND_CPUS = set(range(1, os.cpu_count() or 2)) or {0}
 
 # The product's split of accounts, for these names: the hub's account imports each island's
 # API and the flow control of the islands' consumers; the devices' imports the hub's API and
@@ -185,16 +190,27 @@ class Result:
 class Fleet:
     def __init__(self, root: Path, shape: str, n: int, args: argparse.Namespace) -> None:
         self.root, self.shape, self.n = root, shape, n
-        self.timeout, self.per_aggregate = args.timeout, args.per_aggregate
+        self.timeout, self.per_aggregate, self.pin = args.timeout, args.per_aggregate, args.pin
         self.mirrors = shape in ("current", "filtered")  # else the aggregates read the islands
         self.own_commands = shape in ("current", "direct")  # a CMD<i> stream per device
         self.uplink = UPLINK[:1] if shape == "single" else UPLINK
         self.ports = {"client": free_port(), "monitor": free_port(), "leaf": free_port()}
         conf = root / "hub.conf"
         conf.write_text(_hub_config(n, self.ports, root / "hub"))
-        self.hub = ServerProcess(conf, f"http://127.0.0.1:{self.ports['monitor']}", env=SERVER_ENV)
+        monitor = f"http://127.0.0.1:{self.ports['monitor']}"
+        self.hub = ServerProcess(conf, monitor, env=SERVER_ENV)
+        # A hub busy with a fleet's links answers /jsz in seconds: a 2 s wait would miss
+        # every answer and measure nothing.
+        self.monitor = Monitor(monitor, timeout=MONITOR_TIMEOUT)
+        self.unanswered = 0  # monitoring requests the hub did not answer in time
         self.islands: dict[int, NATS] = {}
         self.servers: list[ServerProcess] = []
+
+    async def start_hub(self) -> None:
+        await self.hub.start()
+        if self.pin:
+            assert self.hub.proc is not None
+            os.sched_setaffinity(self.hub.proc.pid, {0})
 
     async def start_island(self, i: int) -> None:
         client, monitor = free_port(), free_port()
@@ -203,6 +219,8 @@ class Fleet:
         island = await ServerProcess(conf, f"http://127.0.0.1:{monitor}").start(timeout=120)
         assert island.proc is not None
         os.setpriority(os.PRIO_PROCESS, island.proc.pid, 19)  # devices have CPUs of their own
+        if self.pin:
+            os.sched_setaffinity(island.proc.pid, ISLAND_CPUS)
         self.servers.append(island)
         nc = await nats.connect(f"nats://127.0.0.1:{client}")
         self.islands[i] = nc
@@ -258,8 +276,9 @@ class Fleet:
         """Messages in each of the hub's streams, from one monitoring request (a request per
         stream would load the hub being measured); empty while it does not answer."""
         try:
-            jsz = await self.hub.monitor.get("/jsz?acc=FLEET&streams=true&consumers=true")
+            jsz = await self.monitor.get("/jsz?acc=FLEET&streams=true")
         except Exception:  # a hub starting answers late or not at all
+            self.unanswered += 1
             return {}
         return {
             stream["name"]: stream["state"]["messages"]
@@ -272,7 +291,10 @@ class Fleet:
         start, want = time.monotonic(), count * self.n * len(self.uplink)
         while (got := sum(v for k, v in (await self.held()).items() if k.startswith("AGG"))) < want:
             if time.monotonic() - start > self.timeout:
-                raise BenchError(f"{self.shape} {what}: {got} of {want} after {self.timeout} s")
+                raise BenchError(
+                    f"{self.shape} {what}: {got} of {want} after {self.timeout} s "
+                    f"(the hub's /jsz unanswered {self.unanswered} times)"
+                )
             await asyncio.sleep(0.5)
         return time.monotonic() - start
 
@@ -320,7 +342,7 @@ async def measure(root: Path, shape: str, n: int, args: argparse.Namespace) -> R
     fleet = Fleet(root / shape, shape, n, args)
     result = Result()
     try:
-        await fleet.hub.start()
+        await fleet.start_hub()
         gate = asyncio.Semaphore(8)
 
         async def island(i: int) -> None:
@@ -349,7 +371,7 @@ async def measure(root: Path, shape: str, n: int, args: argparse.Namespace) -> R
             for stream in fleet.uplink:
                 await nc.jetstream().publish(f"{stream.lower()}.d{i}", b"second")
         start = time.monotonic()
-        await fleet.hub.start()
+        await fleet.start_hub()
         try:
             await fleet.await_uplink(2, "resume")
             result.resume_s = time.monotonic() - start
@@ -396,6 +418,9 @@ async def main() -> None:
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument(
         "--per-aggregate", type=int, default=PER_AGGREGATE, help="sources of an aggregate shard"
+    )
+    parser.add_argument(
+        "--pin", action="store_true", help="the hub on CPU 0, the islands on the other CPUs"
     )
     parser.add_argument("--keep", type=Path, help="an empty directory to keep the servers' logs in")
     args = parser.parse_args()
