@@ -17,6 +17,8 @@ shapes differ in what the hub holds per device:
   broadcasts.
 - ``lean``: ``direct`` and ``filtered`` together: no stream per device at all.
 - ``single``: ``lean`` with one island stream instead of two (telemetry and events in one).
+- ``mirrored``: ``filtered`` with one island stream: one hub mirror per device, no other
+  stream of its own.
 
 Per shape: steady memory, descriptors right after every stream was written, idle CPU; then
 the hub SIGKILLed with one new message on every island stream, started again, and timed
@@ -66,7 +68,7 @@ from edge_agent.protocol.natsserver import ServerProcess
 from hub_ingest.fleet.server import SERVER_ENV
 from hub_ingest.local.fleet import free_port
 
-SHAPES = ("current", "direct", "filtered", "lean", "single")
+SHAPES = ("current", "direct", "filtered", "lean", "single", "mirrored")
 UPLINK = ("T", "E")  # the island streams the hub collects
 PER_AGGREGATE = 100  # sources of one aggregate shard: the product's default
 HUB_API = "$JS.hub.API"
@@ -191,9 +193,10 @@ class Fleet:
     def __init__(self, root: Path, shape: str, n: int, args: argparse.Namespace) -> None:
         self.root, self.shape, self.n = root, shape, n
         self.timeout, self.per_aggregate, self.pin = args.timeout, args.per_aggregate, args.pin
-        self.mirrors = shape in ("current", "filtered")  # else the aggregates read the islands
+        # Else the aggregates read the islands across the links.
+        self.mirrors = shape in ("current", "filtered", "mirrored")
         self.own_commands = shape in ("current", "direct")  # a CMD<i> stream per device
-        self.uplink = UPLINK[:1] if shape == "single" else UPLINK
+        self.uplink = UPLINK[:1] if shape in ("single", "mirrored") else UPLINK
         self.ports = {"client": free_port(), "monitor": free_port(), "leaf": free_port()}
         conf = root / "hub.conf"
         conf.write_text(_hub_config(n, self.ports, root / "hub"))
