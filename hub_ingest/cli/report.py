@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import textwrap
 from pathlib import Path
@@ -89,13 +90,17 @@ async def _json_lines(collection: Collection) -> FleetReport:
     """``--json-lines``: the ``--json`` document's parts, one object a line, each device's
     written and flushed as soon as it is read: a ``report`` line (schema, time, threshold),
     a ``device`` line per device, a ``summary`` line (flagged, totals, warnings) last."""
-    _line({"type": "report", **collection.header()})
-    reports = []
-    async for device in collection.devices():
-        reports.append(device)
-        _line({"type": "device", **device.to_dict()})
-    report = collection.finish(reports)
-    _line({"type": "summary", **report.summary()})
+    reports: list[DeviceReport] = []
+    try:
+        _line({"type": "report", **collection.header()})
+        async for device in collection.devices():
+            reports.append(device)
+            _line({"type": "device", **device.to_dict()})
+        report = collection.finish(reports)
+        _line({"type": "summary", **report.summary()})
+    except BrokenPipeError:  # the reader stopped early (`| head`): it has whole lines
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # for the exit's flush
+        report = collection.finish(reports)
     return report
 
 
