@@ -80,8 +80,10 @@ ISLAND_CPUS = set(range(1, os.cpu_count() or 2)) or {0}
 # The product's split of accounts, for these names: the hub's account imports each island's
 # API and the flow control of the islands' consumers; the devices' imports the hub's API and
 # the deliveries to the islands' command mirrors. No import of one direction overlaps one of
-# the other.
-ACCOUNTS = """
+# the other. With --per-account the devices are split over accounts of that many (`Dk`),
+# each island's consumer named after its account (`HUBk`) so that flow control, a service,
+# is imported from the one account it comes from.
+FLEET_ACCOUNT = """
   FLEET: {
     jetstream: enabled
     users: [ {user: op, password: op} ]
@@ -89,28 +91,19 @@ ACCOUNTS = """
       {service: "$JS.API.>", response_type: stream}
       {stream: "devin.>"}
     ]
-    imports: [
-      ISLAND_APIS
-      {service: {account: DEVICES, subject: "$JS.FC.T.>"}}
-      {service: {account: DEVICES, subject: "$JS.FC.E.>"}}
-      {service: {account: DEVICES, subject: "$JS.FC.*.*.T.>"}}
-      {service: {account: DEVICES, subject: "$JS.FC.*.*.E.>"}}
-      {stream: {account: DEVICES, subject: "hubin.>"}}
-      {stream: {account: DEVICES, subject: "$JS.FC.*.ISLAND.*"}}
-      {stream: {account: DEVICES, subject: "$JS.FC.*.*.*.ISLAND.*"}}
-      {stream: {account: DEVICES, subject: "$JS.FC.COMMANDS.>"}}
-      {stream: {account: DEVICES, subject: "$JS.FC.*.*.COMMANDS.>"}}
-    ]
+    imports: [ IMPORTS ]
   }
-  DEVICES: {
-    users: [ DEVICE_USERS ]
+"""
+DEVICE_ACCOUNT = """
+  NAME: {
+    users: [ USERS ]
     mappings: { "$JS.hub.API.>": "$JS.API.>" }
     exports: [
       {service: "$JS.*.API.>", response_type: stream}
-      {service: "$JS.FC.T.>"}
-      {service: "$JS.FC.E.>"}
-      {service: "$JS.FC.*.*.T.>"}
-      {service: "$JS.FC.*.*.E.>"}
+      {service: "$JS.FC.T.HUBK.>"}
+      {service: "$JS.FC.E.HUBK.>"}
+      {service: "$JS.FC.*.*.T.HUBK.>"}
+      {service: "$JS.FC.*.*.E.HUBK.>"}
       {stream: "hubin.>"}
       {stream: "$JS.FC.*.ISLAND.*"}
       {stream: "$JS.FC.*.*.*.ISLAND.*"}
@@ -123,14 +116,34 @@ ACCOUNTS = """
     ]
   }
 """
+FROM_DEVICES = (
+    '{service: {account: NAME, subject: "$JS.FC.T.HUBK.>"}}',
+    '{service: {account: NAME, subject: "$JS.FC.E.HUBK.>"}}',
+    '{service: {account: NAME, subject: "$JS.FC.*.*.T.HUBK.>"}}',
+    '{service: {account: NAME, subject: "$JS.FC.*.*.E.HUBK.>"}}',
+    '{stream: {account: NAME, subject: "hubin.>"}}',
+    '{stream: {account: NAME, subject: "$JS.FC.*.ISLAND.*"}}',
+    '{stream: {account: NAME, subject: "$JS.FC.*.*.*.ISLAND.*"}}',
+    '{stream: {account: NAME, subject: "$JS.FC.COMMANDS.>"}}',
+    '{stream: {account: NAME, subject: "$JS.FC.*.*.COMMANDS.>"}}',
+)
 
 
-def _hub_config(n: int, ports: dict[str, int], store: Path) -> str:
-    users = ",\n      ".join(json.dumps({"user": f"d{i}", "password": f"d{i}"}) for i in range(n))
-    apis = "\n      ".join(
-        f'{{service: {{account: DEVICES, subject: "$JS.d{i}.API.>"}}}}' for i in range(n)
-    )
-    accounts = ACCOUNTS.replace("DEVICE_USERS", users).replace("ISLAND_APIS", apis)
+def _accounts(n: int, per_account: int) -> str:
+    imports, blocks = [], [FLEET_ACCOUNT]
+    for k in range((n + per_account - 1) // per_account):
+        members = range(k * per_account, min((k + 1) * per_account, n))
+        users = ", ".join(json.dumps({"user": f"d{i}", "password": f"d{i}"}) for i in members)
+        name = f"D{k}"
+        block = DEVICE_ACCOUNT.replace("NAME", name).replace("USERS", users)
+        blocks.append(block.replace("HUBK", f"HUB{k}"))
+        imports += [i.replace("NAME", name).replace("HUBK", f"HUB{k}") for i in FROM_DEVICES]
+        imports += [f'{{service: {{account: {name}, subject: "$JS.d{i}.API.>"}}}}' for i in members]
+    return "".join(blocks).replace("IMPORTS", "\n      ".join(imports))
+
+
+def _hub_config(n: int, per_account: int, ports: dict[str, int], store: Path) -> str:
+    accounts = _accounts(n, per_account)
     return f"""server_name: hub
 listen: "127.0.0.1:{ports["client"]}"
 http: "127.0.0.1:{ports["monitor"]}"
@@ -168,12 +181,12 @@ def _bound_consumer(name: str, deliver: str, filters: list[str] | None = None) -
     )
 
 
-def _island_source(i: int, stream: str) -> StreamSource:
+def _island_source(i: int, stream: str, consumer: str) -> StreamSource:
     """The hub's read of island `i`'s `stream` through the consumer bound to it."""
     return StreamSource(
         name=stream,
         external=ExternalStream(api=f"$JS.d{i}.API"),
-        consumer=StreamConsumerSource(name="HUB", deliver_subject=f"hubin.d{i}.{stream}"),
+        consumer=StreamConsumerSource(name=consumer, deliver_subject=f"hubin.d{i}.{stream}"),
     )
 
 
@@ -193,13 +206,14 @@ class Fleet:
     def __init__(self, root: Path, shape: str, n: int, args: argparse.Namespace) -> None:
         self.root, self.shape, self.n = root, shape, n
         self.timeout, self.per_aggregate, self.pin = args.timeout, args.per_aggregate, args.pin
+        self.per_account = args.per_account or n
         # Else the aggregates read the islands across the links.
         self.mirrors = shape in ("current", "filtered", "mirrored")
         self.own_commands = shape in ("current", "direct")  # a CMD<i> stream per device
         self.uplink = UPLINK[:1] if shape in ("single", "mirrored") else UPLINK
         self.ports = {"client": free_port(), "monitor": free_port(), "leaf": free_port()}
         conf = root / "hub.conf"
-        conf.write_text(_hub_config(n, self.ports, root / "hub"))
+        conf.write_text(_hub_config(n, self.per_account, self.ports, root / "hub"))
         monitor = f"http://127.0.0.1:{self.ports['monitor']}"
         self.hub = ServerProcess(conf, monitor, env=SERVER_ENV)
         # A hub busy with a fleet's links answers /jsz in seconds: a 2 s wait would miss
@@ -208,6 +222,9 @@ class Fleet:
         self.unanswered = 0  # monitoring requests the hub did not answer in time
         self.islands: dict[int, NATS] = {}
         self.servers: list[ServerProcess] = []
+
+    def island_consumer(self, i: int) -> str:
+        return f"HUB{i // self.per_account}"
 
     async def start_hub(self) -> None:
         await self.hub.start()
@@ -230,7 +247,8 @@ class Fleet:
         js = nc.jetstream()
         for stream in self.uplink:
             await js.add_stream(StreamConfig(name=stream, subjects=[f"{stream.lower()}.>"]))
-            await js.add_consumer(stream, _bound_consumer("HUB", f"hubin.d{i}.{stream}"))
+            deliver = f"hubin.d{i}.{stream}"
+            await js.add_consumer(stream, _bound_consumer(self.island_consumer(i), deliver))
             await js.publish(f"{stream.lower()}.d{i}", b"first")
 
     async def provision(self, js: JetStreamContext) -> None:
@@ -267,13 +285,16 @@ class Fleet:
             await js.add_consumer("COMMANDS", consumer)
         if self.mirrors:
             for stream in self.uplink:
-                mirror = StreamConfig(name=f"M{stream}{i}", mirror=_island_source(i, stream))
+                mirror = StreamConfig(name=f"M{stream}{i}", mirror=self._island_source(i, stream))
                 await js.add_stream(mirror)
+
+    def _island_source(self, i: int, stream: str) -> StreamSource:
+        return _island_source(i, stream, self.island_consumer(i))
 
     def _aggregate_source(self, i: int, stream: str) -> StreamSource:
         if self.mirrors:
             return StreamSource(name=f"M{stream}{i}")
-        return _island_source(i, stream)
+        return self._island_source(i, stream)
 
     async def held(self) -> dict[str, int]:
         """Messages in each of the hub's streams, from one monitoring request (a request per
@@ -421,6 +442,12 @@ async def main() -> None:
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument(
         "--per-aggregate", type=int, default=PER_AGGREGATE, help="sources of an aggregate shard"
+    )
+    parser.add_argument(
+        "--per-account",
+        type=int,
+        default=0,
+        help="devices in one leaf account (default: all in one, as the product has them)",
     )
     parser.add_argument(
         "--pin", action="store_true", help="the hub on CPU 0, the islands on the other CPUs"
