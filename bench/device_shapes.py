@@ -4,10 +4,11 @@ Each device is a bare island (nats-server at niceness 19, its own JetStream doma
 streams, ``T`` and ``E``, each with the durable flow-controlled consumer the hub binds to, and
 a mirror ``C`` of its commands bound to a durable consumer on the hub, as the agent makes
 them. The hub is split as the product's is (`hub_ingest/fleet/auth.py`): the streams in
-``FLEET``, the links in ``DEVICES``, isolated links, ``GOGC=25``, uncompressed links. The
-shapes differ in what the hub holds per device:
+``FLEET``, the links in an account of their own (``D0``; with ``--per-account N``, accounts
+``D<k>`` of N devices each), isolated links, ``GOGC=25``, uncompressed links. The shapes
+differ in what the hub holds per device:
 
-- ``current``, the product's: two mirrors (``M<i>``, ``EV<i>``) that the aggregates source,
+- ``current``, the product's: two mirrors (``MT<i>``, ``ME<i>``) that the aggregates source,
   and ``CMD<i>``, which sources the device's slice of ``COMMANDS`` and holds the consumer
   the island's command mirror binds to. Three streams, five flow-controlled consumers.
 - ``direct``, the seed's: no hub mirror; the aggregates source the islands' streams across
