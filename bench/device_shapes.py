@@ -43,17 +43,13 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-import nats
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.api import (
-    AckPolicy,
     ConsumerConfig,
-    DeliverPolicy,
     ExternalStream,
     StreamConfig,
     StreamConsumerSource,
@@ -63,9 +59,11 @@ from nats.js.api import (
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
 
+from bench.fleetscale.bare import hub_client, start_island, stream_messages
 from bench.fleetscale.common import BenchError, proc_cpu_s, proc_fds, proc_rss_mib
 from edge_agent.protocol.monitor import Monitor
 from edge_agent.protocol.natsserver import ServerProcess
+from edge_agent.protocol.reconcile import mirror_consumer
 from hub_ingest.fleet.server import SERVER_ENV
 from hub_ingest.local.fleet import free_port
 
@@ -74,6 +72,8 @@ UPLINK = ("T", "E")  # the island streams the hub collects
 PER_AGGREGATE = 100  # sources of one aggregate shard: the product's default
 HUB_API = "$JS.hub.API"
 MONITOR_TIMEOUT = 20.0
+WINDOW = 1000  # deliveries in flight on a bound consumer
+ISLAND_LIMITS = "max_file_store: 64MB, max_memory_store: 8MB"
 # With --pin: the hub on the first CPU, the islands on the others, so that neither waits for
 # the other's turn (the islands at niceness 19 still take what the hub leaves when unpinned).
 ISLAND_CPUS = set(range(1, os.cpu_count() or 2)) or {0}
@@ -158,28 +158,9 @@ leafnodes {{
 """
 
 
-def _island_config(i: int, client: int, monitor: int, leaf: int, store: Path) -> str:
-    return f"""server_name: d{i}
-listen: "127.0.0.1:{client}"
-http: "127.0.0.1:{monitor}"
-jetstream {{ domain: d{i}, store_dir: {json.dumps(str(store))}, max_file_store: 64MB,
-  max_memory_store: 8MB }}
-leafnodes {{ remotes: [ {{ url: "nats-leaf://d{i}:d{i}@127.0.0.1:{leaf}", compression: off }} ] }}
-"""
-
-
 def _bound_consumer(name: str, deliver: str, filters: list[str] | None = None) -> ConsumerConfig:
-    """A durable push consumer a mirror or source binds to, as `mirror_consumer` makes it."""
-    return ConsumerConfig(
-        durable_name=name,
-        deliver_subject=deliver,
-        deliver_policy=DeliverPolicy.ALL,
-        ack_policy=AckPolicy.FLOW_CONTROL,
-        flow_control=True,
-        idle_heartbeat=1.0,
-        max_ack_pending=1000,
-        filter_subjects=filters,
-    )
+    """A durable push consumer a mirror or source binds to, as the product makes it."""
+    return replace(mirror_consumer(name, deliver, {}, window=WINDOW), filter_subjects=filters)
 
 
 def _island_source(i: int, stream: str, consumer: str) -> StreamSource:
@@ -234,16 +215,9 @@ class Fleet:
             os.sched_setaffinity(self.hub.proc.pid, {0})
 
     async def start_island(self, i: int) -> None:
-        client, monitor = free_port(), free_port()
-        conf = self.root / f"d{i}.conf"
-        conf.write_text(_island_config(i, client, monitor, self.ports["leaf"], self.root / f"d{i}"))
-        island = await ServerProcess(conf, f"http://127.0.0.1:{monitor}").start(timeout=120)
-        assert island.proc is not None
-        os.setpriority(os.PRIO_PROCESS, island.proc.pid, 19)  # devices have CPUs of their own
-        if self.pin:
-            os.sched_setaffinity(island.proc.pid, ISLAND_CPUS)
+        cpus = ISLAND_CPUS if self.pin else None
+        island, nc = await start_island(self.root, i, self.ports["leaf"], ISLAND_LIMITS, cpus)
         self.servers.append(island)
-        nc = await nats.connect(f"nats://127.0.0.1:{client}")
         self.islands[i] = nc
         js = nc.jetstream()
         for stream in self.uplink:
@@ -298,18 +272,10 @@ class Fleet:
         return self._island_source(i, stream)
 
     async def held(self) -> dict[str, int]:
-        """Messages in each of the hub's streams, from one monitoring request (a request per
-        stream would load the hub being measured); empty while it does not answer."""
-        try:
-            jsz = await self.monitor.get("/jsz?acc=FLEET&streams=true")
-        except Exception:  # a hub starting answers late or not at all
+        held = await stream_messages(self.monitor)
+        if held is None:
             self.unanswered += 1
-            return {}
-        return {
-            stream["name"]: stream["state"]["messages"]
-            for account in jsz.get("account_details") or []
-            for stream in account.get("stream_detail") or []
-        }
+        return held or {}
 
     async def await_uplink(self, count: int, what: str) -> float:
         """Until the aggregates hold `count` messages of every island stream."""
@@ -346,17 +312,6 @@ class Fleet:
             server.kill()
 
 
-@contextlib.asynccontextmanager
-async def hub_client(fleet: Fleet) -> AsyncIterator[JetStreamContext]:
-    nc = await nats.connect(
-        f"nats://op:op@127.0.0.1:{fleet.ports['client']}", max_reconnect_attempts=-1
-    )
-    try:
-        yield nc.jetstream(timeout=10)
-    finally:
-        await nc.close()
-
-
 async def count_objects(fleet: Fleet, result: Result) -> None:
     jsz = await fleet.hub.monitor.get("/jsz?acc=FLEET")
     result.streams, result.consumers = int(jsz["streams"]), int(jsz["consumers"])
@@ -375,7 +330,7 @@ async def measure(root: Path, shape: str, n: int, args: argparse.Namespace) -> R
                 await fleet.start_island(i)
 
         await asyncio.gather(*(island(i) for i in range(n)))
-        async with hub_client(fleet) as js:
+        async with hub_client(fleet.ports["client"]) as js:
             await fleet.provision(js)
             fill = await fleet.await_uplink(1, "first fill")
             await js.publish("cmd.all.first", b"broadcast")
@@ -400,7 +355,7 @@ async def measure(root: Path, shape: str, n: int, args: argparse.Namespace) -> R
         try:
             await fleet.await_uplink(2, "resume")
             result.resume_s = time.monotonic() - start
-            async with hub_client(fleet) as js:
+            async with hub_client(fleet.ports["client"]) as js:
                 await js.publish("cmd.all.second", b"broadcast")
             result.command_s = await fleet.await_commands(2)
         except BenchError as exc:  # the other shapes are still worth measuring

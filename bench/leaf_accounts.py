@@ -30,21 +30,15 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import nats
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.api import (
-    AckPolicy,
-    ConsumerConfig,
-    DeliverPolicy,
     ExternalStream,
     StreamConfig,
     StreamConsumerSource,
@@ -53,11 +47,14 @@ from nats.js.api import (
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
 
+from bench.fleetscale.bare import hub_client, start_island, stream_messages
 from bench.fleetscale.common import proc_cpu_s, proc_fds, proc_rss_mib
 from edge_agent.protocol.natsserver import ServerProcess
+from edge_agent.protocol.reconcile import mirror_consumer
 from hub_ingest.fleet.server import SERVER_ENV
 from hub_ingest.local.fleet import free_port
 
+ISLAND_LIMITS = "max_file_store: 256MB"
 STREAMS = {"T": "M", "E": "EV"}  # island stream -> prefix of the hub's mirror of it
 SPLIT_ACCOUNTS = """
   FLEET: {
@@ -116,15 +113,6 @@ leafnodes {{ listen: "127.0.0.1:{ports["leaf"]}", compression: accept }}
 """
 
 
-def _island_config(i: int, client: int, monitor: int, leaf: int, store: Path) -> str:
-    return f"""server_name: d{i}
-listen: "127.0.0.1:{client}"
-http: "127.0.0.1:{monitor}"
-jetstream {{ domain: d{i}, store_dir: {json.dumps(str(store))}, max_file_store: 256MB }}
-leafnodes {{ remotes: [ {{ url: "nats-leaf://d{i}:d{i}@127.0.0.1:{leaf}", compression: off }} ] }}
-"""
-
-
 @dataclass
 class Result:
     rss_mib: float = 0.0
@@ -147,30 +135,14 @@ class Fleet:
         self.island_ncs: list[NATS] = []
 
     async def start_island(self, i: int) -> None:
-        client, monitor = free_port(), free_port()
-        conf = self.root / f"d{i}.conf"
-        conf.write_text(_island_config(i, client, monitor, self.ports["leaf"], self.root / f"d{i}"))
-        island = await ServerProcess(conf, f"http://127.0.0.1:{monitor}").start(timeout=120)
-        assert island.proc is not None
-        os.setpriority(os.PRIO_PROCESS, island.proc.pid, 19)  # devices have CPUs of their own
+        island, nc = await start_island(self.root, i, self.ports["leaf"], ISLAND_LIMITS)
         self.islands.append(island)
-        nc = await nats.connect(f"nats://127.0.0.1:{client}")
         self.island_ncs.append(nc)
         js = nc.jetstream()
         for name in STREAMS:
             await js.add_stream(StreamConfig(name=name, subjects=[f"{name.lower()}.>"]))
-            await js.add_consumer(
-                name,
-                ConsumerConfig(
-                    durable_name="HUB",
-                    deliver_subject=f"hubin.d{i}.{name}",
-                    deliver_policy=DeliverPolicy.ALL,
-                    ack_policy=AckPolicy.FLOW_CONTROL,
-                    flow_control=True,
-                    idle_heartbeat=1.0,
-                    max_ack_pending=1000,
-                ),
-            )
+            consumer = mirror_consumer("HUB", f"hubin.d{i}.{name}", {}, window=1000)
+            await js.add_consumer(name, consumer)
             await js.publish(f"{name.lower()}.{i}", b"first")
 
     async def mirror(self, js: JetStreamContext) -> None:
@@ -189,15 +161,9 @@ class Fleet:
     async def short_of(self, count: int) -> int:
         """How many mirrors hold fewer than `count` messages, from one monitoring request (a
         request per stream would load the hub being measured)."""
-        try:
-            jsz = await self.hub.monitor.get("/jsz?acc=FLEET&streams=true")
-        except Exception:  # a hub starting answers late or not at all
+        held = await stream_messages(self.hub.monitor)
+        if held is None:
             return self.n * len(STREAMS)
-        held = {
-            stream["name"]: stream["state"]["messages"]
-            for account in jsz.get("account_details") or []
-            for stream in account.get("stream_detail") or []
-        }
         names = [f"{prefix}{i}" for i in range(self.n) for prefix in STREAMS.values()]
         return sum(held.get(name, 0) < count for name in names)
 
@@ -216,17 +182,6 @@ class Fleet:
             await nc.close()
         for server in [self.hub, *self.islands]:
             server.kill()
-
-
-@contextlib.asynccontextmanager
-async def hub_client(fleet: Fleet) -> AsyncIterator[JetStreamContext]:
-    nc = await nats.connect(
-        f"nats://op:op@127.0.0.1:{fleet.ports['client']}", max_reconnect_attempts=-1
-    )
-    try:
-        yield nc.jetstream(timeout=10)
-    finally:
-        await nc.close()
 
 
 async def count_leafs(fleet: Fleet, result: Result) -> None:
@@ -251,7 +206,7 @@ async def measure(root: Path, mode: str, n: int, idle_s: float, timeout: float) 
                 await fleet.start_island(i)
 
         await asyncio.gather(*(island(i) for i in range(n)))
-        async with hub_client(fleet) as js:
+        async with hub_client(fleet.ports["client"]) as js:
             await fleet.mirror(js)
         fill = await fleet.await_all(1, "first fill")
         print(f"{mode}: {n} islands mirrored in {fill:.1f} s", flush=True)
