@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import subprocess
+from collections.abc import Awaitable
 from dataclasses import replace
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from hub_ingest.fleet.auth import ensure_operator_key, public_key, reload_server
 from hub_ingest.fleet.clashes import subjects_overlap
 from hub_ingest.fleet.provision import provision
 from hub_ingest.fleet.registry import Incarnation, Registry
+from hub_ingest.fleet.requests import island_stream
 from hub_ingest.fleet.streams import stream_names
 from hub_ingest.local.fleet import write_hub_toml
 from tests.support.cluster import (
@@ -210,20 +212,54 @@ async def test_an_upgraded_hub_moves_its_linked_devices_to_their_own_account(
     await _both_ways(hub, device, "new")
 
 
-async def _both_ways(hub: Hub, device: Device, label: str) -> None:
-    """A reading reaches the hub's aggregate and a command the island's mirror."""
+async def _both_ways(
+    hub: Hub, device: Device, label: str, aggregate: str = "FLEET_TELEMETRY"
+) -> None:
+    """A reading reaches the hub's `aggregate` and a command the island's mirror."""
     await device.js.publish(f"tele.{label}", b"1")
     await hub.js.publish(f"cmd.{device.id}.{label}", b"{}")
     await eventually(
-        lambda: hub_has_reading(hub.js, device.id, f"tele.{label}"),
+        lambda: hub_has_reading(hub.js, device.id, f"tele.{label}", aggregate),
         timeout=RESUME_TIMEOUT,
-        what=f"the {label} reading at the hub",
+        what=f"{device.id}'s {label} reading at the hub",
     )
     await eventually(
         lambda: stream_has(device.js, "COMMANDS", f"cmd.{device.id}.{label}"),
         timeout=RESUME_TIMEOUT,
-        what=f"the {label} command on the island",
+        what=f"the {label} command on {device.id}'s island",
     )
+
+
+async def test_each_shard_links_in_an_account_of_its_own(tmp_path: Path) -> None:
+    """With one device per shard, each links in its shard's account (a link connecting is
+    told of its account's subscriptions only), and both carry on both ways: readings to
+    their shard's aggregate, commands to their island, the hub's requests to their island."""
+    hub = await start_hub(tmp_path, max_sources_per_stream=1)
+    try:
+        a = await hub.device("a")
+        b = await hub.device("b")
+
+        async def linked() -> list[str]:
+            leafs = (await hub.server.monitor.get("/leafz"))["leafs"] or []
+            return sorted(leaf["account"] for leaf in leafs)
+
+        await eventually(
+            lambda: _equal(linked(), ["DEVICES", "DEVICES_2"]), timeout=30, what="two accounts"
+        )
+        registry = await Registry.open(hub.js)
+        for device, aggregate in ((a, "FLEET_TELEMETRY"), (b, "FLEET_TELEMETRY_2")):
+            await _both_ways(hub, device, "split", aggregate)
+            answer = await island_stream(
+                hub.nc, await registry.get(device.id), "TELEMETRY", timeout=10
+            )
+            assert answer is not None, f"{device.id}'s island did not answer the hub"
+            assert answer["config"]["name"] == "TELEMETRY"
+    finally:
+        await hub.close()
+
+
+async def _equal(value: Awaitable[object], want: object) -> bool:
+    return await value == want
 
 
 async def test_a_key_the_hub_refuses_is_an_error_naming_it(hub: Hub, tmp_path: Path) -> None:

@@ -126,7 +126,8 @@ def _render(config: HubConfig, args: argparse.Namespace) -> int:
         raise ConfigError(str(exc)) from None
     if not config.server.auth_file.exists():
         # First start: only the operators; `device add` rewrites it from the registry.
-        print(f"wrote {write_auth(config, [])} (operators only)", file=sys.stderr)
+        write_auth(config, [])
+        print(f"wrote {config.server.auth_file} (operators only)", file=sys.stderr)
     # nats-server writes its pid file but does not make its directory: a cluster node's is
     # <state_dir>/<node>/, which hub-nats.service's StateDirectory= does not create.
     config.server.pid_file.parent.mkdir(parents=True, exist_ok=True)

@@ -1,11 +1,13 @@
 """Who may do what on the hub: one NKey per device, with permissions that name only its own.
 
 The operators and the hub's streams are in the account ``FLEET``; the devices' leaf
-connections bind to ``DEVICES``, which has no stream and from which ``FLEET`` imports what
-its mirrors of the devices' streams need (and the other way for the devices' mirrors of
-``CMD_<id>``). Bound to ``FLEET``, every link connecting made nats-server retry each of the
-fleet's mirrors, and each retry was told to every link (docs/scaling.md). Each device's leaf
-connection is held to subjects that carry its own id (docs/security.md has the threat model):
+connections bind to an account of their aggregate shard (``DEVICES``, then ``DEVICES_2``,
+``DEVICES_3``…), which has no stream and from which ``FLEET`` imports what its mirrors of the
+devices' streams need (and the other way for the devices' mirrors of ``CMD_<id>``). Bound to
+``FLEET``, every link connecting made nats-server retry each of the fleet's mirrors, and each
+retry was told to every link; in one account of 500 links, a link connecting cost a look at
+every other link's interest (docs/scaling.md). Each device's leaf connection is held to
+subjects that carry its own id (docs/security.md has the threat model):
 
 - it may create consumers on, and direct-get from, ``CMD_<id>`` only: not ``COMMANDS``, not
   another device's ``CMD_*``, not ``FLEET_*``;
@@ -24,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import time
 from collections.abc import Iterable
@@ -51,7 +54,13 @@ from hub_ingest.core.errors import HubIngestError, HubUnreachableError
 from hub_ingest.fleet.registry import Device, Registry
 
 ACCOUNT = "FLEET"  # the hub's streams and the operators
-DEVICES_ACCOUNT = "DEVICES"  # the devices' leaf connections
+DEVICES_ACCOUNT = "DEVICES"  # the leaf connections of the devices of the first shard
+
+
+def devices_account(shard: int) -> str:
+    """The account the leaf connections of a shard's devices bind to, named as its
+    aggregates are (`DEVICES`, `DEVICES_2`, …)."""
+    return DEVICES_ACCOUNT if shard == 0 else f"{DEVICES_ACCOUNT}_{shard + 1}"
 
 
 def new_seed() -> str:
@@ -164,24 +173,31 @@ def _imported(exports: Iterable[dict[str, str]], account: str) -> list[dict[str,
     ]
 
 
-def _fleet_account(operator_key: str, devices: list[Device]) -> dict[str, Any]:
-    """The hub's JetStream account: the operators, the streams, and what crosses from
-    `DEVICES_ACCOUNT`."""
+def _fleet_account(operator_key: str, devices: list[Device], shards: list[int]) -> dict[str, Any]:
+    """The hub's JetStream account: the operators, the streams, and what crosses from each
+    shard's account. The same flow-control subjects come from every one of them (nats-server
+    hands an answer to each, and only the account its island is linked in has an interest)."""
     return {
         "jetstream": "enabled",
         "users": [{"nkey": operator_key}],
         "exports": list(_FLEET_EXPORTS),
         "imports": [
-            *_imported(({"service": f"{d.api_prefix}.>"} for d in devices), DEVICES_ACCOUNT),
-            *_imported(_DEVICES_EXPORTS, DEVICES_ACCOUNT),
+            *(
+                {"service": {"account": devices_account(d.shard), "subject": f"{d.api_prefix}.>"}}
+                for d in devices
+            ),
+            *(i for shard in shards for i in _imported(_DEVICES_EXPORTS, devices_account(shard))),
         ],
     }
 
 
 def _devices_account(devices: list[Device], hub_domain: str) -> dict[str, Any]:
-    """The account the devices' leaf connections bind to: no JetStream and no stream of its
+    """The account one shard's leaf connections bind to: no JetStream and no stream of its
     own, so a link connecting costs the hub no look at the fleet's streams, and a mirror's
-    set-up in the hub's account is not told to every link."""
+    set-up in the hub's account is not told to every link. A link connecting is told of
+    every subscription of its account before the ones of other links are skipped
+    (nats-server's `initLeafNodeSmapAndSendSubs`): one account for 500 devices made each
+    restart a storm of the fleet's square, hence one per shard."""
     return {
         "users": [
             {"nkey": d.nkey, "permissions": device_permissions(d, hub_domain)} for d in devices
@@ -196,9 +212,17 @@ def _devices_account(devices: list[Device], hub_domain: str) -> dict[str, Any]:
 
 def render_auth(operator_key: str, devices: Iterable[Device], hub_domain: str) -> str:
     listed = list(devices)
+    # The first shard's account always, so that a hub with no device yet has the account its
+    # first one links to.
+    shards = sorted({0, *(d.shard for d in listed)})
     accounts = {
-        ACCOUNT: _fleet_account(operator_key, listed),
-        DEVICES_ACCOUNT: _devices_account(listed, hub_domain),
+        ACCOUNT: _fleet_account(operator_key, listed, shards),
+        **{
+            devices_account(shard): _devices_account(
+                [d for d in listed if d.shard == shard], hub_domain
+            )
+            for shard in shards
+        },
     }
     blocks = "\n".join(_account_block(name, body) for name, body in accounts.items())
     return f"""\
@@ -223,10 +247,22 @@ def _account_block(name: str, body: dict[str, Any]) -> str:
     return "\n".join([*lines, "  }"])
 
 
-def write_auth(config: HubConfig, devices: Iterable[Device]) -> Path:
+def write_auth(config: HubConfig, devices: Iterable[Device]) -> bool:
+    """Write the users file for `devices`; True if it names an account the file it replaced
+    did not (`reload_server` is then asked to read it twice)."""
+    path = config.server.auth_file
+    try:
+        before: set[str] | None = _account_names(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        before = None  # the server has not read one yet
     text = render_auth(ensure_operator_key(config), devices, config.nats.domain)
-    write_secret(config.server.auth_file, text.rstrip("\n"))
-    return config.server.auth_file
+    write_secret(path, text.rstrip("\n"))
+    return before is not None and bool(_account_names(text) - before)
+
+
+def _account_names(users_file: str) -> set[str]:
+    """The accounts a rendered users file names."""
+    return set(re.findall(r"^  (\S+): \{$", users_file, flags=re.MULTILINE))
 
 
 async def sync_users(js: JetStreamContext, config: HubConfig) -> bool:
@@ -239,8 +275,7 @@ async def sync_users(js: JetStreamContext, config: HubConfig) -> bool:
         current = None
     if current is not None and current.rstrip("\n") == text.rstrip("\n"):
         return False
-    write_auth(config, devices)
-    await reload_server(config)
+    await reload_server(config, new_accounts=write_auth(config, devices))
     return True
 
 
@@ -253,10 +288,18 @@ _RELOAD_POLL_SLOW_S = 0.1
 _RELOAD_FAST_FOR_S = 1.0
 
 
-async def reload_server(config: HubConfig, timeout: float = 30.0) -> bool:
+async def reload_server(
+    config: HubConfig, timeout: float = 30.0, *, new_accounts: bool = False
+) -> bool:
     """Ask each hub server running on this machine (its pid file is here) to re-read its
     config; False if none does. The other nodes of a cluster re-read theirs when their own
-    ``hub-ingest watch`` sees the registry change."""
+    ``hub-ingest watch`` sees the registry change.
+
+    A leaf account a reload creates is set up only in part until the next one (nats-server
+    2.15: the first device of a new shard linked there and its readings crossed, but its
+    island's requests to the hub went unanswered), so with `new_accounts` it is read twice."""
+    if new_accounts:
+        await reload_server(config, timeout)
     if config.cluster is None:
         return await _reload(config.server, "server.monitor_listen", timeout)
     reloaded = [

@@ -243,9 +243,9 @@ async def enrol_many(
     log.info("enrolment_planned", new=len(plan.new), present=len(plan.present))
     enrolled = await _register(registry, config, plan, existing, on_progress)
     devices = [*existing, *(e.device for e in enrolled)]
-    write_auth(config, devices)
+    new_accounts = write_auth(config, devices)
     on_progress(Progress("auth_written", len(devices), len(devices)))
-    reloaded = await reload_server(config)
+    reloaded = await reload_server(config, new_accounts=new_accounts)
     on_progress(Progress("reloaded", int(reloaded), 1))
     new_ids = {e.device.device_id for e in enrolled}
     changed = await provision(js, config, devices, adopt=adopt, only=new_ids) if streams else []
@@ -296,8 +296,7 @@ async def retire(js: JetStreamContext, config: HubConfig, device_id: str) -> Cha
     registry = await Registry.open(js)
     device = await registry.remove(device_id)
     devices = await registry.list()
-    write_auth(config, devices)
-    reloaded = await reload_server(config)
+    reloaded = await reload_server(config, new_accounts=write_auth(config, devices))
     streams = await provision(js, config, devices)
     log.info("device_retired", device_id=device_id, reloaded=reloaded)
     return Change(device, None, reloaded, streams)

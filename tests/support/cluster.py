@@ -313,12 +313,15 @@ def packed_readings(msgs: Iterable[RawStreamMsg]) -> list[Reading]:
     return [r for m in msgs if PACK_HEADER in (m.headers or {}) for r in decode(m.data or b"")]
 
 
-async def hub_readings(js: JetStreamContext, device_id: str, subject: str) -> list[bytes]:
+async def hub_readings(
+    js: JetStreamContext, device_id: str, subject: str, stream: str = "FLEET_TELEMETRY"
+) -> list[bytes]:
     """The bodies of `device_id`'s readings published on `subject` in the telemetry
-    aggregate, in its order: each alone, or in the device's packs (`hub.pack`)."""
+    aggregate (its first shard unless `stream` names another), in its order: each alone, or
+    in the device's packs (`hub.pack`)."""
     alone, packs = f"fleet.{device_id}.{subject}", f"fleet.{device_id}.{PACK_SUBJECT}"
     bodies: list[bytes] = []
-    for msg in await stream_messages(js, "FLEET_TELEMETRY"):
+    for msg in await stream_messages(js, stream):
         if msg.subject == alone:
             bodies.append(msg.data or b"")
         elif msg.subject == packs:
@@ -341,12 +344,14 @@ async def stream_has(js: JetStreamContext, stream: str, subject: str) -> bool:
     return bool((await js.stream_info(stream, subjects_filter=subject)).state.subjects)
 
 
-async def hub_has_reading(js: JetStreamContext, device_id: str, subject: str) -> bool:
-    """Whether the telemetry aggregate holds a reading of `device_id` published on `subject`,
-    alone or in a pack (`hub.pack`)."""
-    if await stream_has(js, "FLEET_TELEMETRY", f"fleet.{device_id}.{subject}"):
+async def hub_has_reading(
+    js: JetStreamContext, device_id: str, subject: str, stream: str = "FLEET_TELEMETRY"
+) -> bool:
+    """Whether the telemetry aggregate (`stream`, its first shard by default) holds a reading
+    of `device_id` published on `subject`, alone or in a pack (`hub.pack`)."""
+    if await stream_has(js, stream, f"fleet.{device_id}.{subject}"):
         return True
-    return bool(await hub_readings(js, device_id, subject))
+    return bool(await hub_readings(js, device_id, subject, stream))
 
 
 def run_cli(module: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
