@@ -3,11 +3,13 @@
 The operators and the hub's streams are in the account ``FLEET``; the devices' leaf
 connections bind to an account of their aggregate shard (``DEVICES``, then ``DEVICES_2``,
 ``DEVICES_3``…), which has no stream and from which ``FLEET`` imports what its mirrors of the
-devices' streams need (and the other way for the devices' mirrors of ``CMD_<id>``). Bound to
-``FLEET``, every link connecting made nats-server retry each of the fleet's mirrors, and each
-retry was told to every link; in one account of 500 links, a link connecting cost a look at
-every other link's interest (docs/scaling.md). Each device's leaf connection is held to
-subjects that carry its own id (docs/security.md has the threat model):
+devices' streams need, device by device from the device's own shard account (and the other
+way for the devices' mirrors of ``CMD_<id>``). Bound to ``FLEET``, every link connecting made
+nats-server retry each of the fleet's mirrors, and each retry was told to every link; in one
+account of 500 links, or with imports of the whole fleet's deliveries from each shard
+account, a link connecting cost a look at every other link's interest (docs/scaling.md,
+"Leaf accounts"). Each device's leaf connection is held to subjects that carry its own id
+(docs/security.md has the threat model):
 
 - it may create consumers on, and direct-get from, ``CMD_<id>`` only: not ``COMMANDS``, not
   another device's ``CMD_*``, not ``FLEET_*``;
@@ -175,20 +177,40 @@ def _imported(exports: Iterable[dict[str, str]], account: str) -> list[dict[str,
 
 def _fleet_account(operator_key: str, devices: list[Device], shards: list[int]) -> dict[str, Any]:
     """The hub's JetStream account: the operators, the streams, and what crosses from each
-    shard's account. The same flow-control subjects come from every one of them (nats-server
-    hands an answer to each, and only the account its island is linked in has an interest)."""
+    shard's account."""
     return {
         "jetstream": "enabled",
         "users": [{"nkey": operator_key}],
         "exports": list(_FLEET_EXPORTS),
         "imports": [
+            *(i for d in devices for i in _imported(_device_exports(d), devices_account(d.shard))),
+            # The answers of the hub's mirrors to the flow control of the islands' consumers,
+            # named by incarnation, not by device: from every shard's account (nats-server
+            # hands an answer to each, and only the one its island is linked in has an
+            # interest).
             *(
-                {"service": {"account": devices_account(d.shard), "subject": f"{d.api_prefix}.>"}}
-                for d in devices
+                {"service": {"account": devices_account(shard), "subject": subject}}
+                for shard in shards
+                for subject in _ISLAND_FLOW_CONTROL
             ),
-            *(i for shard in shards for i in _imported(_DEVICES_EXPORTS, devices_account(shard))),
         ],
     }
+
+
+def _device_exports(device: Device) -> tuple[dict[str, str], ...]:
+    """What the hub's account takes of one device's, from its shard's account alone: a
+    subscription of the hub's (a mirror's deliveries, its command consumer's flow control)
+    is then made in that account only, and told to its shard's links only, not the
+    fleet's (each mirror's set-up, retried after a restart, subscribes again). The price: a
+    reload that changes an account's stream imports subscribes each of its subscriptions
+    again, so a device added to 500 waits seconds for it (docs/scaling.md)."""
+    commands = command_stream(device.device_id)
+    return (
+        {"service": f"{device.api_prefix}.>"},
+        {"stream": f"{to_hub_prefix(device.device_id)}.>"},
+        {"stream": f"$JS.FC.{commands}.{ISLAND_CONSUMER}.*"},
+        {"stream": f"$JS.FC.*.*.{commands}.{ISLAND_CONSUMER}.*"},
+    )
 
 
 def _devices_account(devices: list[Device], hub_domain: str) -> dict[str, Any]:
