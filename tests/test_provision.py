@@ -16,9 +16,16 @@ from nats.js.api import StreamConfig, StreamInfo
 from edge_agent.protocol.reconcile import reconcile_stream
 from hub_ingest.commands.send import new_envelope, send
 from hub_ingest.core.errors import RegistryError
-from hub_ingest.fleet.auth import ensure_operator_key, public_key, reload_server
+from hub_ingest.fleet.auth import (
+    ensure_operator_key,
+    new_seed,
+    public_key,
+    reload_server,
+    render_auth,
+)
 from hub_ingest.fleet.clashes import subjects_overlap
 from hub_ingest.fleet.provision import provision
+from hub_ingest.fleet.registry import Device as Enrolled
 from hub_ingest.fleet.registry import Incarnation, Registry
 from hub_ingest.fleet.requests import island_stream
 from hub_ingest.fleet.streams import stream_names
@@ -253,6 +260,39 @@ async def test_each_shard_links_in_an_account_of_its_own(tmp_path: Path) -> None
             assert answer["config"]["name"] == "TELEMETRY"
     finally:
         await hub.close()
+
+
+def test_a_device_added_or_seen_again_changes_no_stream_import() -> None:
+    """A reload that changes an account's stream imports makes nats-server subscribe each of
+    its subscriptions again (seconds for a hub of 500 devices): a device enrolled, or a new
+    incarnation seen, changes users and service imports only. A mirror made before each
+    shard's deliveries were renamed keeps its device an import of its own."""
+
+    def enrolled(i: int, *incarnations: Incarnation) -> Enrolled:
+        key = public_key(new_seed())
+        return Enrolled(f"d{i}", f"edge-d{i}", i % 2, "2026-11-29T00:00:00Z", key, incarnations)
+
+    def seen(incarnation: str, via_shard: bool = True) -> Incarnation:
+        return Incarnation("TELEMETRY", incarnation, "2026-11-29T00:00:00Z", 0, False, via_shard)
+
+    def stream_imports(fleet: list[Enrolled]) -> list[str]:
+        text = render_auth(public_key(new_seed()), fleet, "hub")
+        return [
+            line.strip().rstrip(",")
+            for line in text.splitlines()
+            if '{"stream": {"account"' in line
+        ]
+
+    fleet = [enrolled(i, seen(f"i{i}")) for i in range(4)]
+    before = stream_imports(fleet)
+    # Each shard's account: its deliveries (renamed) to the hub, the commands to it.
+    assert len(before) == 4
+    assert stream_imports([*fleet, enrolled(4)]) == before
+    fleet[1] = replace(fleet[1], incarnations=(seen("i1"), seen("later")))
+    assert stream_imports(fleet) == before
+    fleet[2] = replace(fleet[2], incarnations=(seen("old", via_shard=False), seen("i2")))
+    legacy = '{"stream": {"account": "DEVICES", "subject": "hubin.d2.>"}}'
+    assert sorted(stream_imports(fleet)) == sorted([*before, legacy])
 
 
 async def test_a_key_the_hub_refuses_is_an_error_naming_it(hub: Hub, tmp_path: Path) -> None:

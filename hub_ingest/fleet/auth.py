@@ -2,13 +2,13 @@
 
 The operators and the hub's streams are in the account ``FLEET``; the devices' leaf
 connections bind to an account of their aggregate shard (``DEVICES``, then ``DEVICES_2``,
-``DEVICES_3``…), which has no stream and from which ``FLEET`` imports what its mirrors of the
-devices' streams need, device by device from the device's own shard account (and the other
-way for the devices' mirrors of ``CMD_<id>``). Bound to ``FLEET``, every link connecting made
-nats-server retry each of the fleet's mirrors, and each retry was told to every link; in one
-account of 500 links, or with imports of the whole fleet's deliveries from each shard
-account, a link connecting cost a look at every other link's interest (docs/scaling.md,
-"Leaf accounts"). Each device's leaf connection is held to subjects that carry its own id
+``DEVICES_3``…), which has no stream. ``FLEET`` takes each shard's deliveries to the hub's
+mirrors renamed under the shard's prefix, and each island's API and its answers to flow
+control as services; bound to ``FLEET``, or with the fleet's deliveries imported under their
+own names from every shard account, a link connecting cost a look at every other link's
+interest (docs/scaling.md, "Leaf accounts"). A device added changes services and users
+only, never a stream import, which would make a reload subscribe again each of the
+account's subscriptions. Each device's leaf connection is held to subjects that carry its own id
 (docs/security.md has the threat model):
 
 - it may create consumers on, and direct-get from, ``CMD_<id>`` only: not ``COMMANDS``, not
@@ -54,6 +54,7 @@ from edge_agent.protocol.release import RELEASES_BUCKET, ROLLOUT_BUCKET, desired
 from hub_ingest.core.config import HubConfig, ServerConfig
 from hub_ingest.core.errors import HubIngestError, HubUnreachableError
 from hub_ingest.fleet.registry import Device, Registry
+from hub_ingest.fleet.streams import shard_deliveries
 
 ACCOUNT = "FLEET"  # the hub's streams and the operators
 DEVICES_ACCOUNT = "DEVICES"  # the leaf connections of the devices of the first shard
@@ -119,8 +120,7 @@ def device_permissions(device: Device, hub_domain: str) -> dict[str, Any]:
                 # No wider: the hub tells a link of every subscription on a subject its
                 # device may publish, so `$JS.FC.>` here told every link every flow-control
                 # subject of the fleet (its square, docs/scaling.md).
-                f"$JS.FC.{commands}.>",
-                f"$JS.FC.{hub_domain}.*.{commands}.>",
+                *_hub_flow_control(commands, hub_domain),
             ]
         },
         "subscribe": {
@@ -142,23 +142,36 @@ SYSTEM_ACCOUNT = "SYS"
 # Flow control, in nats-server's two subject forms (`$JS.FC.<stream>.<consumer>.<id>`, and
 # with the domain and account hash first): the hub's mirrors answer the islands' consumers
 # (`TELEMETRY`, `EVENTS`), the islands' command mirrors answer the hub's `ISLAND` consumers.
+# Each direction crosses as a service, token for token: a service import may not overlap one
+# of the other direction (nats-server refuses it as a cycle), and a stream import would put
+# a shadow of each hub consumer's subscription in every shard's account, told to its links.
 _ISLAND_FLOW_CONTROL = tuple(
-    subject for s in OUTBOUND for subject in (f"$JS.FC.{s}.>", f"$JS.FC.*.*.{s}.>")
+    subject for s in OUTBOUND for subject in (f"$JS.FC.{s}.*.*", f"$JS.FC.*.*.{s}.*.*")
 )
-_HUB_FLOW_CONTROL = (f"$JS.FC.*.{ISLAND_CONSUMER}.*", f"$JS.FC.*.*.*.{ISLAND_CONSUMER}.*")
 
-# What each account exports and the other imports, subject for subject; no import of one
-# direction may overlap one of the other, or nats-server refuses it as a cycle. A service
-# answering a batched direct get answers many times (`response_type`).
+
+def _hub_flow_control(stream: str, hub_domain: str) -> tuple[str, str]:
+    """Flow control of the hub's consumer `ISLAND` on `stream`, token for token: a wider
+    subject an island may publish (`.>`) made the hub offer its link every other device's
+    (the import of a subject with wildcards is offered to each link that may publish a
+    subject it matches)."""
+    return (
+        f"$JS.FC.{stream}.{ISLAND_CONSUMER}.*",
+        f"$JS.FC.{hub_domain}.*.{stream}.{ISLAND_CONSUMER}.*",
+    )
+
+
+# What each account exports and the other imports. A service answering a batched direct get
+# answers many times (`response_type`).
 _FLEET_EXPORTS: tuple[dict[str, str], ...] = (
     # The islands' command mirrors and reads.
     {"service": "$JS.API.>", "response_type": "stream"},
     {"stream": f"{to_device_prefix('*')}.>"},
 )
+_FLEET_FLOW_CONTROL_EXPORTS = tuple({"service": s} for s in _hub_flow_control("*", "*"))
 _DEVICES_EXPORTS: tuple[dict[str, str], ...] = (
     *({"service": subject} for subject in _ISLAND_FLOW_CONTROL),
-    {"stream": f"{to_hub_prefix('*')}.>"},
-    *({"stream": subject} for subject in _HUB_FLOW_CONTROL),
+    {"stream": "hubin.>"},
 )
 # The islands' APIs, which the hub's account imports one by one, named by each domain: a
 # wildcard would overlap the hub's own API, which the devices' account imports.
@@ -177,40 +190,52 @@ def _imported(exports: Iterable[dict[str, str]], account: str) -> list[dict[str,
 
 def _fleet_account(operator_key: str, devices: list[Device], shards: list[int]) -> dict[str, Any]:
     """The hub's JetStream account: the operators, the streams, and what crosses from each
-    shard's account."""
+    shard's account. What changes with each device is a service import (its island's API):
+    a reload that changes an account's stream imports subscribes each of its subscriptions
+    again, which cost a device added to 500 seconds (docs/scaling.md)."""
     return {
         "jetstream": "enabled",
         "users": [{"nkey": operator_key}],
-        "exports": list(_FLEET_EXPORTS),
+        "exports": [*_FLEET_EXPORTS, *_FLEET_FLOW_CONTROL_EXPORTS],
         "imports": [
-            *(i for d in devices for i in _imported(_device_exports(d), devices_account(d.shard))),
-            # The answers of the hub's mirrors to the flow control of the islands' consumers,
-            # named by incarnation, not by device: from every shard's account (nats-server
-            # hands an answer to each, and only the one its island is linked in has an
-            # interest).
             *(
-                {"service": {"account": devices_account(shard), "subject": subject}}
-                for shard in shards
-                for subject in _ISLAND_FLOW_CONTROL
+                {"service": {"account": devices_account(d.shard), "subject": f"{d.api_prefix}.>"}}
+                for d in devices
+            ),
+            *(i for shard in shards for i in _shard_imports(shard)),
+            *(
+                i
+                for d in devices
+                if not all(i.via_shard for i in d.incarnations)
+                for i in _legacy_deliveries(d)
             ),
         ],
     }
 
 
-def _device_exports(device: Device) -> tuple[dict[str, str], ...]:
-    """What the hub's account takes of one device's, from its shard's account alone: a
-    subscription of the hub's (a mirror's deliveries, its command consumer's flow control)
-    is then made in that account only, and told to its shard's links only, not the
-    fleet's (each mirror's set-up, retried after a restart, subscribes again). The price: a
-    reload that changes an account's stream imports subscribes each of its subscriptions
-    again, so a device added to 500 waits seconds for it (docs/scaling.md)."""
-    commands = command_stream(device.device_id)
-    return (
-        {"service": f"{device.api_prefix}.>"},
-        {"stream": f"{to_hub_prefix(device.device_id)}.>"},
-        {"stream": f"$JS.FC.{commands}.{ISLAND_CONSUMER}.*"},
-        {"stream": f"$JS.FC.*.*.{commands}.{ISLAND_CONSUMER}.*"},
-    )
+def _shard_imports(shard: int) -> list[dict[str, Any]]:
+    """What the hub's account takes of every device of a shard, from the shard's account:
+    the answers of its mirrors to the islands' flow control, named by incarnation, not by
+    device (nats-server hands an answer to each shard's account, and only the one its island
+    is linked in has an interest); the islands' deliveries, renamed under the shard's
+    prefix, so that a hub mirror's subscription is shadowed in its own shard's account alone
+    and told to that shard's links only (each mirror's set-up, retried after a restart,
+    subscribes again)."""
+    account = devices_account(shard)
+    return [
+        *({"service": {"account": account, "subject": s}} for s in _ISLAND_FLOW_CONTROL),
+        {
+            "stream": {"account": account, "subject": "hubin.>"},
+            "to": f"{shard_deliveries(shard)}.hubin.>",
+        },
+    ]
+
+
+def _legacy_deliveries(device: Device) -> list[dict[str, Any]]:
+    """A device's deliveries under their own name, for its mirrors made before they were
+    renamed by shard (`Incarnation.via_shard`)."""
+    subject = f"{to_hub_prefix(device.device_id)}.>"
+    return [{"stream": {"account": devices_account(device.shard), "subject": subject}}]
 
 
 def _devices_account(devices: list[Device], hub_domain: str) -> dict[str, Any]:
@@ -228,7 +253,15 @@ def _devices_account(devices: list[Device], hub_domain: str) -> dict[str, Any]:
         # The hub's API under its domain, as the islands address it (nats-server maps it so
         # for a linked account too, but only once a link is up).
         "mappings": {f"{js_api(hub_domain)}.>": "$JS.API.>"},
-        "imports": _imported(_FLEET_EXPORTS, ACCOUNT),
+        "imports": [
+            *_imported(_FLEET_EXPORTS, ACCOUNT),
+            # Each island's answers to its own command consumer's flow control.
+            *(
+                {"service": {"account": ACCOUNT, "subject": subject}}
+                for d in devices
+                for subject in _hub_flow_control(command_stream(d.device_id), hub_domain)
+            ),
+        ],
     }
 
 

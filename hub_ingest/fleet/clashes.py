@@ -17,13 +17,29 @@ from edge_agent.protocol.names import HUB_COMMANDS
 from hub_ingest.core.errors import ProvisionError
 from hub_ingest.core.gather import REQUESTS_AT_ONCE, gather_bounded
 from hub_ingest.fleet.gaps import REFILL_STREAM
-from hub_ingest.fleet.streams import MANAGED_BY, every_stream, shard_of, stream_list
+from hub_ingest.fleet.streams import (
+    MANAGED_BY,
+    SHARD_DELIVERIES,
+    every_stream,
+    shard_of,
+    stream_list,
+)
 
 # Subjects the fleet's streams carry (devices' `tele.>` and `evt.>`, the aggregates' `fleet.>`,
 # commands) and the deliveries of mirrors across the link (`names.to_hub_prefix`,
-# `to_device_prefix`). Another stream listening on any of them would store fleet messages a
-# second time, or take them from the streams that should have them.
-FLEET_SUBJECTS = ("cmd.>", "fleet.>", "tele.>", "evt.>", "hubin.>", "devin.>", "refill.>")
+# `to_device_prefix`, `streams.shard_deliveries`). Another stream listening on any of them
+# would store fleet messages a second time, or take them from the streams that should have
+# them.
+FLEET_SUBJECTS = (
+    "cmd.>",
+    "fleet.>",
+    "tele.>",
+    "evt.>",
+    "hubin.>",
+    "devin.>",
+    "refill.>",
+    f"{SHARD_DELIVERIES}.>",
+)
 
 
 def subjects_overlap(a: str, b: str) -> bool:

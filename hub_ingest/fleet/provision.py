@@ -64,6 +64,7 @@ from hub_ingest.fleet.streams import (
     MANAGED_BY,
     Aggregate,
     mirror_name,
+    shard_deliveries,
     shard_of,
 )
 
@@ -100,18 +101,22 @@ def device_mirror(config: HubConfig, device: Device, incarnation: Incarnation) -
         mirror=StreamSource(
             name=incarnation.stream,
             external=ExternalStream(api=device.api_prefix),
-            # Deliveries on a subject only this device may publish to (see hub_ingest.fleet.auth).
             consumer=StreamConsumerSource(
                 name=hub_consumer(incarnation.id),
-                deliver_subject=hub_deliver_subject(
-                    device.device_id, incarnation.id, incarnation.stream
-                ),
+                deliver_subject=mirror_deliveries(device, incarnation),
             ),
         ),
         allow_direct=True,
         metadata=mirror_metadata(device.device_id, incarnation),
         num_replicas=config.device_replicas,
     )
+
+
+def mirror_deliveries(device: Device, incarnation: Incarnation) -> str:
+    """Where the mirror takes its deliveries: the island's consumer delivers on a subject only
+    this device may publish to, which its shard's import renames (see hub_ingest.fleet.auth)."""
+    island = hub_deliver_subject(device.device_id, incarnation.id, incarnation.stream)
+    return f"{shard_deliveries(device.shard)}.{island}" if incarnation.via_shard else island
 
 
 def device_mirrors(config: HubConfig, device: Device) -> list[StreamConfig]:

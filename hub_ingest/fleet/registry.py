@@ -58,6 +58,10 @@ class Incarnation:
     # device answers them without running them (0 for the device's first incarnation).
     command_fence: int
     packed: bool = False  # its stream holds packs of readings (`edge_agent.protocol.pack`)
+    # Its hub mirror takes the island's deliveries as its shard's import renames them
+    # (`streams.shard_deliveries`); False for the mirrors made before (2026-11-29), which
+    # keep a per-device import (a mirror's source cannot change in place).
+    via_shard: bool = False
 
 
 BUCKET = "FLEET_DEVICES"

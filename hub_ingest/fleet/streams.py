@@ -38,6 +38,16 @@ def mirror_name(device_id: str, incarnation: Incarnation) -> str:
     return f"EDGE_{incarnation.stream}_{device_id}_{incarnation.id}"
 
 
+# Where the hub's account takes each shard's deliveries of the islands' consumers, renamed by
+# its import (`auth`): ``shardin.2.hubin.<id>.…`` for ``hubin.<id>.…`` in ``DEVICES_2``.
+SHARD_DELIVERIES = "shardin"
+
+
+def shard_deliveries(shard: int) -> str:
+    """The prefix a shard's deliveries take in the hub's account, numbered as its aggregates."""
+    return f"{SHARD_DELIVERIES}.{shard + 1}"
+
+
 AGGREGATES = (
     Aggregate("FLEET_TELEMETRY", "TELEMETRY", "tele"),
     Aggregate("FLEET_EVENTS", "EVENTS", "evt"),

@@ -33,6 +33,7 @@ import structlog
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
+from edge_agent.protocol.errors import MonitorUnavailable
 from edge_agent.protocol.monitor import Monitor
 from edge_agent.protocol.names import (
     INCARNATION,
@@ -44,6 +45,7 @@ from edge_agent.protocol.pack import PACK_SUBJECT
 from edge_agent.protocol.units import utc_now_iso
 from hub_ingest.core.config import HubConfig
 from hub_ingest.fleet import rollout
+from hub_ingest.fleet.auth import ACCOUNT
 from hub_ingest.fleet.provision import mirror_targets, provision
 from hub_ingest.fleet.refill import Refiller
 from hub_ingest.fleet.registry import Device, Incarnation, Registry
@@ -97,17 +99,19 @@ async def record(
     registry: Registry,
     device: Device,
     seen: Mapping[str, Seen],
+    via_shard: bool,
 ) -> list[Incarnation]:
-    """Record the incarnations in `seen` the hub does not know; the new ones. The caller
-    provisions their streams, once for all the devices it records (one pass over the whole
-    fleet each: per device, onboarding a fleet would grow with its square)."""
+    """Record the incarnations in `seen` the hub does not know; the new ones, whose mirrors
+    take their deliveries renamed by their shard if `via_shard` (see `_via_shard`).
+    The caller provisions their streams, once for all the devices it records (one pass over
+    the whole fleet each: per device, onboarding a fleet would grow with its square)."""
     new = []
     for stream, found in sorted(seen.items()):
         if _known(device, stream, found):
             continue
         previous = device.current(stream)
         fence = await _command_fence(js, device, stream)
-        incarnation = Incarnation(stream, found.id, utc_now_iso(), fence, found.packed)
+        incarnation = Incarnation(stream, found.id, utc_now_iso(), fence, found.packed, via_shard)
         device = await registry.add_incarnation(device.device_id, incarnation)
         new.append(incarnation)
         log.info(
@@ -128,12 +132,18 @@ async def observe(
     """Ask every device (those not linked now answer nothing) and `record` what is new."""
     registry = await Registry.open(js)
     found = await asyncio.gather(*(device_incarnations(nc, d) for d in devices))
+    try:
+        bound = _bound_to_fleet(
+            await Monitor(f"http://{config.server.monitor_listen}").get("/leafz")
+        )
+    except MonitorUnavailable:
+        bound = frozenset()  # a device linked to another node of a cluster is not listed either
     new: list[Incarnation] = []
     changed: set[str] = set()
     for device, seen in zip(devices, found, strict=True):
         if any(not _known(device, s, i) for s, i in seen.items()):
             current = await registry.get(device.device_id)
-            new += await record(js, registry, current, seen)
+            new += await record(js, registry, current, seen, _via_shard(current, bound))
             changed.add(device.device_id)
     if new:
         await provision(js, config, await registry.list(), only=changed)
@@ -151,6 +161,26 @@ def _leaf_ids(leafz: Mapping[str, object]) -> dict[str, int]:
     return {
         str(leaf.get("name")): int(leaf.get("id", 0)) for leaf in leafs if isinstance(leaf, dict)
     }
+
+
+def _bound_to_fleet(leafz: Mapping[str, object]) -> frozenset[str]:
+    """Names of the links bound to the hub's own account: made under the users file of a
+    release before 2026-11-28, they keep it until they drop."""
+    leafs = leafz.get("leafs")
+    if not isinstance(leafs, list):
+        return frozenset()
+    return frozenset(
+        str(leaf.get("name"))
+        for leaf in leafs
+        if isinstance(leaf, dict) and leaf.get("account") == ACCOUNT
+    )
+
+
+def _via_shard(device: Device, bound_to_fleet: frozenset[str]) -> bool:
+    """Whether a new incarnation's mirror takes its deliveries renamed by the device's shard
+    (`auth`): not while its link is bound to the hub's own account, where no import renames
+    them; that mirror keeps its deliveries' own name (and a per-device import) for good."""
+    return not {island_name(device.device_id), device.domain} & bound_to_fleet
 
 
 class _Fleet:
@@ -260,6 +290,7 @@ class _Rounds:
             self.unprovisioned = False
         now = time.monotonic()
         due: list[tuple[Device, int]] = []
+        bound = _bound_to_fleet(leafz)
         linked = set()
         for name, leaf in _leaf_ids(leafz).items():
             device = await self.fleet.device(name)
@@ -273,7 +304,7 @@ class _Rounds:
             if any(not _known(device, s, i) for s, i in seen.items()):
                 current = await self.registry.get(device.device_id)
                 self.unprovisioned = True
-                await record(self.js, self.registry, current, seen)
+                await record(self.js, self.registry, current, seen, _via_shard(current, bound))
                 recorded.add(device.device_id)
                 self.fleet.forget()
             # Right after the link comes up the agent may not have made its streams yet: ask
