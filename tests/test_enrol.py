@@ -195,6 +195,19 @@ async def test_bulk_add_refuses_a_bad_line_before_changing_anything(
     assert run.stdout == ""
 
 
+async def test_a_domain_that_is_a_token_of_the_servers_own_subjects_is_refused(
+    hub: Hub, tmp_path: Path
+) -> None:
+    """`$JS.API.API.>` overlaps the hub's own API, which the users file imports the other
+    way: nats-server would refuse the whole file as a cycle, locking every device out."""
+    users = hub.config.server.auth_file.read_text()
+    run = await _cli(hub, tmp_path, "device", "add", "x", "--domain", "API")
+    assert run.code == 1, run.stdout + run.stderr
+    assert "domain 'API' is a token of nats-server's own $JS subjects" in run.stderr
+    assert "x" not in await _registered(hub)
+    assert hub.config.server.auth_file.read_text() == users
+
+
 def test_enrolment_lines_ids_keys_comments_and_header() -> None:
     """What a ``--from`` line may hold: an id, an id and a key, comments, a CSV header."""
     key = _key()

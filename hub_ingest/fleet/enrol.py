@@ -142,6 +142,12 @@ class _Plan:
     present: tuple[Device, ...]
 
 
+# `$JS.<domain>.API` must not overlap the server's own `$JS.API`, `$JS.FC` and `$JS.ACK`
+# subjects: the hub's users file imports some of them the other way, and nats-server refuses
+# a file with a cycle of imports whole.
+_RESERVED_DOMAINS = frozenset({"API", "FC", "ACK"})
+
+
 def _plan(
     wanted: Sequence[Enrolment], existing: Sequence[Device], source: str, *, refuse_present: bool
 ) -> _Plan:
@@ -172,6 +178,8 @@ def _plan(
                 raise refuse(f"domain {e.domain!r} differs from the registered {device.domain!r}")
             present.append(device)
             continue
+        if domain in _RESERVED_DOMAINS:
+            raise refuse(f"domain {domain!r} is a token of nats-server's own $JS subjects")
         if domain in domains:
             raise refuse(f"domain {domain!r} is already used by device {domains[domain]!r}")
         if e.key is not None and e.key in keys:
