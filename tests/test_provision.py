@@ -8,11 +8,14 @@ import os
 import signal
 import subprocess
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import pytest
+from nats.js import JetStreamContext
 from nats.js.api import StreamConfig, StreamInfo
 
+from edge_agent.protocol.names import ISLAND_CONSUMER, command_stream, hub_consumer
 from edge_agent.protocol.reconcile import reconcile_stream
 from hub_ingest.commands.send import new_envelope, send
 from hub_ingest.core.errors import RegistryError
@@ -236,6 +239,28 @@ async def _both_ways(
     )
 
 
+async def _flow_control_answered(hub: Hub, device: Device, enrolled: Enrolled) -> None:
+    """Both ways, the consumer a mirror binds to has all it delivered acknowledged: a mirror
+    acknowledges by answering flow control, across the accounts as much as the deliveries
+    (a window's worth unanswered, the link stalls)."""
+    incarnation = enrolled.current("TELEMETRY")
+    assert incarnation is not None
+    hub_consumer_of = (hub.js, command_stream(device.id), ISLAND_CONSUMER)
+    island_consumer_of = (device.js, "TELEMETRY", hub_consumer(incarnation.id))
+    for js, stream, consumer in (hub_consumer_of, island_consumer_of):
+        await eventually(
+            partial(_all_acknowledged, js, stream, consumer),
+            timeout=30,
+            what=f"{device.id}'s {stream} acknowledged by its mirror",
+        )
+
+
+async def _all_acknowledged(js: JetStreamContext, stream: str, consumer: str) -> bool:
+    last = (await js.stream_info(stream)).state.last_seq
+    floor = (await js.consumer_info(stream, consumer)).ack_floor.stream_seq
+    return last > 0 and floor == last
+
+
 async def test_each_shard_links_in_an_account_of_its_own(tmp_path: Path) -> None:
     """With one device per shard, each links in its shard's account (a link connecting is
     told of its account's subscriptions only), and both carry on both ways: readings to
@@ -258,6 +283,7 @@ async def test_each_shard_links_in_an_account_of_its_own(tmp_path: Path) -> None
             )
             assert answer is not None, f"{device.id}'s island did not answer the hub"
             assert answer["config"]["name"] == "TELEMETRY"
+            await _flow_control_answered(hub, device, await registry.get(device.id))
     finally:
         await hub.close()
 
