@@ -142,19 +142,16 @@ SYSTEM_ACCOUNT = "SYS"
 # Flow control, in nats-server's two subject forms (`$JS.FC.<stream>.<consumer>.<id>`, and
 # with the domain and account hash first): the hub's mirrors answer the islands' consumers
 # (`TELEMETRY`, `EVENTS`), the islands' command mirrors answer the hub's `ISLAND` consumers.
-# Each direction crosses as a service, token for token: a service import may not overlap one
-# of the other direction (nats-server refuses it as a cycle), and a stream import would put
-# a shadow of each hub consumer's subscription in every shard's account, told to its links.
+# The first crosses as services from every shard's account, token for token (a service import
+# may not overlap one of the other direction: nats-server refuses it as a cycle).
 _ISLAND_FLOW_CONTROL = tuple(
     subject for s in OUTBOUND for subject in (f"$JS.FC.{s}.*.*", f"$JS.FC.*.*.{s}.*.*")
 )
 
 
 def _hub_flow_control(stream: str, hub_domain: str) -> tuple[str, str]:
-    """Flow control of the hub's consumer `ISLAND` on `stream`, token for token: a wider
-    subject an island may publish (`.>`) made the hub offer its link every other device's
-    (the import of a subject with wildcards is offered to each link that may publish a
-    subject it matches)."""
+    """Flow control of the hub's consumer `ISLAND` on `stream`, in both forms: an island
+    may answer in either."""
     return (
         f"$JS.FC.{stream}.{ISLAND_CONSUMER}.*",
         f"$JS.FC.{hub_domain}.*.{stream}.{ISLAND_CONSUMER}.*",
@@ -168,10 +165,10 @@ _FLEET_EXPORTS: tuple[dict[str, str], ...] = (
     {"service": "$JS.API.>", "response_type": "stream"},
     {"stream": f"{to_device_prefix('*')}.>"},
 )
-_FLEET_FLOW_CONTROL_EXPORTS = tuple({"service": s} for s in _hub_flow_control("*", "*"))
 _DEVICES_EXPORTS: tuple[dict[str, str], ...] = (
     *({"service": subject} for subject in _ISLAND_FLOW_CONTROL),
     {"stream": "hubin.>"},
+    {"stream": f"$JS.FC.*.{ISLAND_CONSUMER}.*"},
 )
 # The islands' APIs, which the hub's account imports one by one, named by each domain: a
 # wildcard would overlap the hub's own API, which the devices' account imports.
@@ -190,16 +187,23 @@ def _imported(exports: Iterable[dict[str, str]], account: str) -> list[dict[str,
 
 def _fleet_account(operator_key: str, devices: list[Device], shards: list[int]) -> dict[str, Any]:
     """The hub's JetStream account: the operators, the streams, and what crosses from each
-    shard's account. What changes with each device is a service import (its island's API):
-    a reload that changes an account's stream imports subscribes each of its subscriptions
-    again, which cost a device added to 500 seconds (docs/scaling.md)."""
+    shard's account. Each device adds its island's API and one stream import: its island's
+    answers to its command consumer's flow control, in the form the hub's nats-server uses
+    (`js_ack_fc_v2` is off), imported from its own shard's account so that a link is told
+    of its own consumer's only and no service import is told to every link at its
+    handshake. A reload that changes an account's stream imports re-examines each of its
+    subscriptions against each of them (docs/scaling.md, "Leaf accounts")."""
     return {
         "jetstream": "enabled",
         "users": [{"nkey": operator_key}],
-        "exports": [*_FLEET_EXPORTS, *_FLEET_FLOW_CONTROL_EXPORTS],
+        "exports": list(_FLEET_EXPORTS),
         "imports": [
             *(
                 {"service": {"account": devices_account(d.shard), "subject": f"{d.api_prefix}.>"}}
+                for d in devices
+            ),
+            *(
+                {"stream": {"account": devices_account(d.shard), "subject": _flow_control_of(d)}}
                 for d in devices
             ),
             *(i for shard in shards for i in _shard_imports(shard)),
@@ -211,6 +215,10 @@ def _fleet_account(operator_key: str, devices: list[Device], shards: list[int]) 
             ),
         ],
     }
+
+
+def _flow_control_of(device: Device) -> str:
+    return f"$JS.FC.{command_stream(device.device_id)}.{ISLAND_CONSUMER}.*"
 
 
 def _shard_imports(shard: int) -> list[dict[str, Any]]:
@@ -253,15 +261,7 @@ def _devices_account(devices: list[Device], hub_domain: str) -> dict[str, Any]:
         # The hub's API under its domain, as the islands address it (nats-server maps it so
         # for a linked account too, but only once a link is up).
         "mappings": {f"{js_api(hub_domain)}.>": "$JS.API.>"},
-        "imports": [
-            *_imported(_FLEET_EXPORTS, ACCOUNT),
-            # Each island's answers to its own command consumer's flow control.
-            *(
-                {"service": {"account": ACCOUNT, "subject": subject}}
-                for d in devices
-                for subject in _hub_flow_control(command_stream(d.device_id), hub_domain)
-            ),
-        ],
+        "imports": _imported(_FLEET_EXPORTS, ACCOUNT),
     }
 
 
