@@ -3,13 +3,12 @@
 The operators and the hub's streams are in the account ``FLEET``; the devices' leaf
 connections bind to an account of their aggregate shard (``DEVICES``, then ``DEVICES_2``,
 ``DEVICES_3``…), which has no stream. ``FLEET`` takes each shard's deliveries to the hub's
-mirrors renamed under the shard's prefix, and each island's API and its answers to flow
-control as services; bound to ``FLEET``, or with the fleet's deliveries imported under their
-own names from every shard account, a link connecting cost a look at every other link's
-interest (docs/scaling.md, "Leaf accounts"). A device added changes services and users
-only, never a stream import, which would make a reload subscribe again each of the
-account's subscriptions. Each device's leaf connection is held to subjects that carry its own id
-(docs/security.md has the threat model):
+mirrors once, renamed under the shard's prefix, and from each device's shard account its
+island's API and its answers to its command consumer's flow control. Bound to ``FLEET``, or
+with the fleet's deliveries imported under their own names from every shard account, a link
+connecting cost a look at every other link's interest (docs/scaling.md, "Leaf accounts").
+Each device's leaf connection is held to subjects that carry its own id (docs/security.md
+has the threat model):
 
 - it may create consumers on, and direct-get from, ``CMD_<id>`` only: not ``COMMANDS``, not
   another device's ``CMD_*``, not ``FLEET_*``;
@@ -143,7 +142,8 @@ SYSTEM_ACCOUNT = "SYS"
 # with the domain and account hash first): the hub's mirrors answer the islands' consumers
 # (`TELEMETRY`, `EVENTS`), the islands' command mirrors answer the hub's `ISLAND` consumers.
 # The first crosses as services from every shard's account, token for token (a service import
-# may not overlap one of the other direction: nats-server refuses it as a cycle).
+# may not overlap one of the other direction: nats-server refuses it as a cycle); the second
+# as a stream import a device (`_fleet_account`).
 _ISLAND_FLOW_CONTROL = tuple(
     subject for s in OUTBOUND for subject in (f"$JS.FC.{s}.*.*", f"$JS.FC.*.*.{s}.*.*")
 )
