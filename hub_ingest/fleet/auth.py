@@ -119,7 +119,8 @@ def device_permissions(device: Device, hub_domain: str) -> dict[str, Any]:
                 # No wider: the hub tells a link of every subscription on a subject its
                 # device may publish, so `$JS.FC.>` here told every link every flow-control
                 # subject of the fleet (its square, docs/scaling.md).
-                *_hub_flow_control(commands, hub_domain),
+                _hub_flow_control(commands),
+                f"$JS.FC.{hub_domain}.*.{commands}.{ISLAND_CONSUMER}.*",
             ]
         },
         "subscribe": {
@@ -149,13 +150,11 @@ _ISLAND_FLOW_CONTROL = tuple(
 )
 
 
-def _hub_flow_control(stream: str, hub_domain: str) -> tuple[str, str]:
-    """Flow control of the hub's consumer `ISLAND` on `stream`, in both forms: an island
-    may answer in either."""
-    return (
-        f"$JS.FC.{stream}.{ISLAND_CONSUMER}.*",
-        f"$JS.FC.{hub_domain}.*.{stream}.{ISLAND_CONSUMER}.*",
-    )
+def _hub_flow_control(stream: str) -> str:
+    """Flow control of the hub's consumer `ISLAND` on `stream`, in the form the hub's
+    nats-server uses (its `js_ack_fc_v2` feature flag is off); a device may publish the
+    other form too."""
+    return f"$JS.FC.{stream}.{ISLAND_CONSUMER}.*"
 
 
 # What each account exports and the other imports. A service answering a batched direct get
@@ -168,7 +167,7 @@ _FLEET_EXPORTS: tuple[dict[str, str], ...] = (
 _DEVICES_EXPORTS: tuple[dict[str, str], ...] = (
     *({"service": subject} for subject in _ISLAND_FLOW_CONTROL),
     {"stream": "hubin.>"},
-    {"stream": f"$JS.FC.*.{ISLAND_CONSUMER}.*"},
+    {"stream": _hub_flow_control("*")},
 )
 # The islands' APIs, which the hub's account imports one by one, named by each domain: a
 # wildcard would overlap the hub's own API, which the devices' account imports.
@@ -203,22 +202,22 @@ def _fleet_account(operator_key: str, devices: list[Device], shards: list[int]) 
                 for d in devices
             ),
             *(
-                {"stream": {"account": devices_account(d.shard), "subject": _flow_control_of(d)}}
+                {
+                    "stream": {
+                        "account": devices_account(d.shard),
+                        "subject": _hub_flow_control(command_stream(d.device_id)),
+                    }
+                }
                 for d in devices
             ),
             *(i for shard in shards for i in _shard_imports(shard)),
             *(
-                i
+                _legacy_deliveries(d)
                 for d in devices
-                if not all(i.via_shard for i in d.incarnations)
-                for i in _legacy_deliveries(d)
+                if any(not i.via_shard for i in d.incarnations)
             ),
         ],
     }
-
-
-def _flow_control_of(device: Device) -> str:
-    return f"$JS.FC.{command_stream(device.device_id)}.{ISLAND_CONSUMER}.*"
 
 
 def _shard_imports(shard: int) -> list[dict[str, Any]]:
@@ -239,11 +238,11 @@ def _shard_imports(shard: int) -> list[dict[str, Any]]:
     ]
 
 
-def _legacy_deliveries(device: Device) -> list[dict[str, Any]]:
+def _legacy_deliveries(device: Device) -> dict[str, Any]:
     """A device's deliveries under their own name, for its mirrors made before they were
     renamed by shard (`Incarnation.via_shard`)."""
     subject = f"{to_hub_prefix(device.device_id)}.>"
-    return [{"stream": {"account": devices_account(device.shard), "subject": subject}}]
+    return {"stream": {"account": devices_account(device.shard), "subject": subject}}
 
 
 def _devices_account(devices: list[Device], hub_domain: str) -> dict[str, Any]:

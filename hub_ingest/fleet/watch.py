@@ -27,6 +27,7 @@ import contextlib
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import nats.errors
 import structlog
@@ -154,33 +155,34 @@ def _known(device: Device, stream: str, seen: Seen) -> bool:
     return any((i.stream, i.id) == (stream, seen.id) for i in device.incarnations)
 
 
-def _leaf_ids(leafz: Mapping[str, object]) -> dict[str, int]:
+def _leafs(leafz: Mapping[str, object]) -> list[dict[str, Any]]:
+    """The leaf connections `/leafz` lists."""
     leafs = leafz.get("leafs")
-    if not isinstance(leafs, list):
-        return {}
-    return {
-        str(leaf.get("name")): int(leaf.get("id", 0)) for leaf in leafs if isinstance(leaf, dict)
-    }
+    return [leaf for leaf in leafs if isinstance(leaf, dict)] if isinstance(leafs, list) else []
+
+
+def _leaf_ids(leafz: Mapping[str, object]) -> dict[str, int]:
+    return {str(leaf.get("name")): int(leaf.get("id", 0)) for leaf in _leafs(leafz)}
 
 
 def _bound_to_fleet(leafz: Mapping[str, object]) -> frozenset[str]:
     """Names of the links bound to the hub's own account: made under the users file of a
     release before 2026-11-28, they keep it until they drop."""
-    leafs = leafz.get("leafs")
-    if not isinstance(leafs, list):
-        return frozenset()
     return frozenset(
-        str(leaf.get("name"))
-        for leaf in leafs
-        if isinstance(leaf, dict) and leaf.get("account") == ACCOUNT
+        str(leaf.get("name")) for leaf in _leafs(leafz) if leaf.get("account") == ACCOUNT
     )
+
+
+def _leaf_names(device: Device) -> tuple[str, str]:
+    """The names a device's link may have: its island's server name or its domain."""
+    return island_name(device.device_id), device.domain
 
 
 def _via_shard(device: Device, bound_to_fleet: frozenset[str]) -> bool:
     """Whether a new incarnation's mirror takes its deliveries renamed by the device's shard
     (`auth`): not while its link is bound to the hub's own account, where no import renames
     them; that mirror keeps its deliveries' own name (and a per-device import) for good."""
-    return not {island_name(device.device_id), device.domain} & bound_to_fleet
+    return not bound_to_fleet.intersection(_leaf_names(device))
 
 
 class _Fleet:
@@ -204,7 +206,7 @@ class _Fleet:
     async def _read(self, stale_after: float) -> None:
         if time.monotonic() - self._read_at >= stale_after:
             devices = await self._registry.list()
-            self._by_leaf = {n: d for d in devices for n in (island_name(d.device_id), d.domain)}
+            self._by_leaf = {n: d for d in devices for n in _leaf_names(d)}
             self._read_at = time.monotonic()
 
     def forget(self) -> None:
