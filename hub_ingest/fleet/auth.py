@@ -3,9 +3,8 @@
 The operators and the hub's streams are in the account ``FLEET``; the devices' leaf
 connections bind to an account of their aggregate shard (``DEVICES``, then ``DEVICES_2``,
 ``DEVICES_3``…), which has no stream. ``FLEET`` takes each shard's deliveries to the hub's
-mirrors once, renamed under the shard's prefix, and the islands' answers to the command
-consumers' flow control once, and from each device's shard account its island's API.
-Bound to ``FLEET``, or
+mirrors once, renamed under the shard's prefix, and from each device's shard account its
+island's API and its answers to its command consumer's flow control. Bound to ``FLEET``, or
 with the fleet's deliveries imported under their own names from every shard account, a link
 connecting cost a look at every other link's interest (docs/scaling.md, "Leaf accounts").
 Each device's leaf connection is held to subjects that carry its own id (docs/security.md
@@ -187,10 +186,12 @@ def _imported(exports: Iterable[dict[str, str]], account: str) -> list[dict[str,
 
 def _fleet_account(operator_key: str, devices: list[Device], shards: list[int]) -> dict[str, Any]:
     """The hub's JetStream account: the operators, the streams, and what crosses from each
-    shard's account. Each device adds its island's API, a service import, and no stream
-    import: a reload that changes an account's stream imports re-examines each of its
-    subscriptions against each of them, seconds at 500 devices (docs/scaling.md, "Adding
-    a device without a stream import")."""
+    shard's account. Each device adds its island's API and one stream import: its island's
+    answers to its command consumer's flow control, in the form the hub's nats-server uses
+    (`js_ack_fc_v2` is off), imported from its own shard's account so that a link is told
+    of its own consumer's only and no service import is told to every link at its
+    handshake. A reload that changes an account's stream imports re-examines each of its
+    subscriptions against each of them (docs/scaling.md, "Leaf accounts")."""
     return {
         "jetstream": "enabled",
         "users": [{"nkey": operator_key}],
@@ -198,6 +199,15 @@ def _fleet_account(operator_key: str, devices: list[Device], shards: list[int]) 
         "imports": [
             *(
                 {"service": {"account": devices_account(d.shard), "subject": f"{d.api_prefix}.>"}}
+                for d in devices
+            ),
+            *(
+                {
+                    "stream": {
+                        "account": devices_account(d.shard),
+                        "subject": _hub_flow_control(command_stream(d.device_id)),
+                    }
+                }
                 for d in devices
             ),
             *(i for shard in shards for i in _shard_imports(shard)),
@@ -217,10 +227,7 @@ def _shard_imports(shard: int) -> list[dict[str, Any]]:
     is linked in has an interest); the islands' deliveries, renamed under the shard's
     prefix, so that a hub mirror's subscription is shadowed in its own shard's account alone
     and told to that shard's links only (each mirror's set-up, retried after a restart,
-    subscribes again); the islands' answers to the flow control of the hub's command
-    consumers, in the form the hub's nats-server uses (`js_ack_fc_v2` is off). Each
-    consumer's subscription to those is shadowed in every shard's account under its own
-    subject, which a link is told of only when its device may publish it (its own)."""
+    subscribes again)."""
     account = devices_account(shard)
     return [
         *({"service": {"account": account, "subject": s}} for s in _ISLAND_FLOW_CONTROL),
@@ -228,7 +235,6 @@ def _shard_imports(shard: int) -> list[dict[str, Any]]:
             "stream": {"account": account, "subject": "hubin.>"},
             "to": f"{shard_deliveries(shard)}.hubin.>",
         },
-        {"stream": {"account": account, "subject": _hub_flow_control("*")}},
     ]
 
 
