@@ -32,7 +32,7 @@ from nats.js.errors import (
 from nats.js.kv import KV_DEL, KV_OP, KV_PURGE, KeyValue
 from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_exponential_jitter
 
-from edge_agent.protocol.names import js_api
+from edge_agent.protocol.names import island_name, js_api
 from edge_agent.protocol.units import utc_now_iso
 from hub_ingest.core.buckets import bucket_keys, bucket_stream
 from hub_ingest.core.errors import RegistryError
@@ -79,6 +79,12 @@ class Device:
     @property
     def api_prefix(self) -> str:
         return js_api(self.domain)
+
+    @property
+    def leaf_names(self) -> tuple[str, str]:
+        """The names the hub's ``/leafz`` may give the device's link: its island's server
+        name or its domain."""
+        return island_name(self.device_id), self.domain
 
     def current(self, stream: str) -> Incarnation | None:
         """The newest incarnation of the device stream `stream`, if the hub has seen one."""

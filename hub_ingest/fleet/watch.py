@@ -36,12 +36,7 @@ from nats.js import JetStreamContext
 
 from edge_agent.protocol.errors import MonitorUnavailable
 from edge_agent.protocol.monitor import Monitor
-from edge_agent.protocol.names import (
-    INCARNATION,
-    OUTBOUND,
-    command_stream,
-    island_name,
-)
+from edge_agent.protocol.names import INCARNATION, OUTBOUND, command_stream
 from edge_agent.protocol.pack import PACK_SUBJECT
 from edge_agent.protocol.units import utc_now_iso
 from hub_ingest.core.config import HubConfig
@@ -173,16 +168,11 @@ def _bound_to_fleet(leafz: Mapping[str, object]) -> frozenset[str]:
     )
 
 
-def _leaf_names(device: Device) -> tuple[str, str]:
-    """The names a device's link may have: its island's server name or its domain."""
-    return island_name(device.device_id), device.domain
-
-
 def _via_shard(device: Device, bound_to_fleet: frozenset[str]) -> bool:
     """Whether a new incarnation's mirror takes its deliveries renamed by the device's shard
     (`auth`): not while its link is bound to the hub's own account, where no import renames
     them; that mirror keeps its deliveries' own name (and a per-device import) for good."""
-    return not bound_to_fleet.intersection(_leaf_names(device))
+    return not bound_to_fleet.intersection(device.leaf_names)
 
 
 class _Fleet:
@@ -206,7 +196,7 @@ class _Fleet:
     async def _read(self, stale_after: float) -> None:
         if time.monotonic() - self._read_at >= stale_after:
             devices = await self._registry.list()
-            self._by_leaf = {n: d for d in devices for n in _leaf_names(d)}
+            self._by_leaf = {n: d for d in devices for n in d.leaf_names}
             self._read_at = time.monotonic()
 
     def forget(self) -> None:

@@ -28,7 +28,7 @@ from typing import Any
 
 from nats.aio.client import Client
 
-from edge_agent.protocol.names import command_stream, island_name
+from edge_agent.protocol.names import command_stream
 from edge_agent.protocol.units import format_time, parse_time
 from hub_ingest.commands.attribution import Attribution, attribute
 from hub_ingest.commands.index import CommandIndex, Tally, json_object
@@ -270,7 +270,7 @@ async def _device_report(fleet: _Fleet, device: Device) -> tuple[DeviceReport, l
         shard=device.shard,
         link_connected=None
         if fleet.leaves is None
-        else bool(fleet.leaves & {device.domain, island_name(device.device_id)}),
+        else not fleet.leaves.isdisjoint(device.leaf_names),
         sources=sources,
         last_heartbeat_at=format_time(beat_at) if beat_at else None,
         last_heartbeat_age_s=beat_age,
