@@ -31,7 +31,13 @@ from nats.aio.client import Client
 from edge_agent.protocol.names import command_stream
 from edge_agent.protocol.units import format_time, parse_time
 from hub_ingest.commands.attribution import Attribution, attribute
-from hub_ingest.commands.index import CommandIndex, Tally, json_object
+from hub_ingest.commands.index import (
+    TALLY_STREAM,
+    CommandIndex,
+    Tally,
+    json_object,
+    tally_subject,
+)
 from hub_ingest.core.config import HubConfig
 from hub_ingest.fleet.gaps import MirrorGaps, read_gaps
 from hub_ingest.fleet.registry import Device
@@ -204,7 +210,7 @@ class _Fleet:
     """What every device's part of the report reads, read once for the fleet."""
 
     api: HubApi
-    index: CommandIndex
+    tallies: Mapping[str, Tally]  # by device id; none yet: no result read
     infos: dict[str, dict[str, Any] | None]  # the aggregates
     mirror_gaps: Mapping[str, MirrorGaps]
     leaves: set[str] | None
@@ -253,7 +259,7 @@ async def _device_report(fleet: _Fleet, device: Device) -> tuple[DeviceReport, l
     beat_age = round(max((fleet.now - beat_at).total_seconds(), 0.0), 3) if beat_at else None
     ages = [a for a in (beat_age, *(s.last_active_s for s in sources)) if a is not None]
     last_seen = min(ages) if ages else None
-    tally = await fleet.index.tally(device.device_id)
+    tally = fleet.tallies.get(device.device_id) or Tally()
     if tally.forged:
         fleet.forged.note(Attribution(device.device_id, tally.forged_example), tally.forged)
     counts, last_error = await _command_state(fleet.api, tally, device.device_id, fleet.now)
@@ -381,8 +387,17 @@ async def start_report(
 
     heartbeats = await last_heartbeats(api, infos, devices)
     gaps = await read_gaps(js)
-    fleet = _Fleet(api, index, infos, gaps, leaves, forged, now, silent_after, heartbeats)
+    tallies = await _tallies(api, devices)
+    fleet = _Fleet(api, tallies, infos, gaps, leaves, forged, now, silent_after, heartbeats)
     return Collection(fleet, devices, warnings)
+
+
+async def _tallies(api: HubApi, devices: Iterable[Device]) -> dict[str, Tally]:
+    """Each device's command tally, as the index (caught up) holds it."""
+    subjects = {tally_subject(d.device_id): d.device_id for d in devices}
+    stored = await api.last_messages(TALLY_STREAM, list(subjects))
+    # An empty value is a deleted key's marker.
+    return {subjects[s]: Tally.from_json(m.data) for s, m in stored.items() if m.data}
 
 
 async def collect_report(
