@@ -144,7 +144,8 @@ SYSTEM_ACCOUNT = "SYS"
 # (`TELEMETRY`, `EVENTS`), the islands' command mirrors answer the hub's `ISLAND` consumers.
 # The first crosses as services from every shard's account, token for token (a service import
 # may not overlap one of the other direction: nats-server refuses it as a cycle); the second
-# as a stream import a device (`_fleet_account`).
+# as a stream import a device (`_fleet_account`): a link is told of its account's service
+# imports at its handshake only, and each reload takes that back (docs/scaling.md).
 _ISLAND_FLOW_CONTROL = tuple(
     subject for s in OUTBOUND for subject in (f"$JS.FC.{s}.*.*", f"$JS.FC.*.*.{s}.*.*")
 )
