@@ -24,7 +24,6 @@ T = TypeVar("T")
 
 REPEATS = 5  # steady-state calls timed per measurement; the median is kept
 ADDS = 3  # devices added one after the other to time adding one (the median is kept)
-REPORTS = 3  # reports taken one after the other (the first and the median are kept)
 ATTEMPTS = 3  # starts of a server whose free port was taken meanwhile
 PARALLEL = 16  # hub and island requests in flight at once
 STARTING = 8  # islands starting at once (each a nats-server with JetStream)

@@ -23,7 +23,6 @@ from bench.fleetscale.common import (
     ATTEMPTS,
     CLUSTER_NODES,
     REPEATS,
-    REPORTS,
     BenchError,
     T,
     track,
@@ -63,12 +62,17 @@ def where(exc: BaseException) -> str:
 
 async def timed_or_nan(call: Callable[[], Awaitable[object]], what: str) -> float:
     """`timed`, tried twice; NaN (and a note) when the hub did not answer in time."""
+    return await tried_twice(partial(timed, call), what, float("nan"))
+
+
+async def tried_twice(measure: Callable[[], Awaitable[T]], what: str, failed: T) -> T:
+    """`measure`, tried twice; `failed` (and a note) when the hub did not answer in time."""
     for _ in range(2):
         try:
-            return await timed(call)
+            return await measure()
         except (nats.errors.Error, TimeoutError) as exc:
             print(f"note: {what} failed: {exc!r} at {where(exc)}", flush=True)
-    return float("nan")
+    return failed
 
 
 async def start_fleet(mode: str, root: Path, args: argparse.Namespace) -> Fleet:
@@ -168,10 +172,12 @@ async def measure_size(fleet: Fleet, row: dict[str, float], args: argparse.Names
     row["rest_fds"] = await fleet.fds_at_rest(args.rest) if args.rest > 0 else float("nan")
     devices = await fleet.devices()
     report = partial(collect_report, fleet.hub.nc, fleet.hub.config, devices, silent_after=60)
-    # The first report follows the broadcast on a busy hub; the median of three is what a
-    # report costs as an operator runs it again and again.
-    reports = [await timed_or_nan(report, f"{mode} report") for _ in range(REPORTS)]
-    row["report_first"], row["report"] = reports[0], statistics.median(reports)
+    # The first report reads the results of the broadcast into the command index; the
+    # median of the next calls is what a report costs as an operator runs it again and again.
+    nan = float("nan")
+    row["report_first"], row["report"] = await tried_twice(
+        partial(timed_first, report), f"{mode} report", (nan, nan)
+    )
     replicas = fleet.hub.config.replicas
     status = partial(command_status, fleet.hub.js, command, devices, replicas=replicas)
     row["status"] = await timed_or_nan(status, f"{mode} command status")
