@@ -259,7 +259,7 @@ async def _device_report(fleet: _Fleet, device: Device) -> tuple[DeviceReport, l
     beat_age = round(max((fleet.now - beat_at).total_seconds(), 0.0), 3) if beat_at else None
     ages = [a for a in (beat_age, *(s.last_active_s for s in sources)) if a is not None]
     last_seen = min(ages) if ages else None
-    tally = fleet.tallies.get(device.device_id) or Tally()
+    tally = fleet.tallies.get(device.device_id, Tally())
     if tally.forged:
         fleet.forged.note(Attribution(device.device_id, tally.forged_example), tally.forged)
     counts, last_error = await _command_state(fleet.api, tally, device.device_id, fleet.now)
