@@ -48,7 +48,7 @@ from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_ex
 from edge_agent.protocol.envelope import supersedes
 from edge_agent.protocol.names import HUB_COMMANDS
 from hub_ingest.commands.attribution import Attribution, attribute
-from hub_ingest.core.buckets import COMMAND_INDEX, bucket_keys, open_bucket
+from hub_ingest.core.buckets import COMMAND_INDEX, bucket_keys, bucket_stream, open_bucket
 from hub_ingest.core.errors import ReportError
 
 BUCKET = COMMAND_INDEX
@@ -74,7 +74,7 @@ def _tally_key(device_id: str) -> str:
 # The bucket's stream and where a device's tally is in it: the report reads every device's
 # in batched direct gets of each subject's last value (a request per 256 devices, where
 # `CommandIndex.tally` costs one each).
-TALLY_STREAM = f"KV_{BUCKET}"
+TALLY_STREAM = bucket_stream(BUCKET)
 
 
 def tally_subject(device_id: str) -> str:
