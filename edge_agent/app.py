@@ -37,6 +37,7 @@ from edge_agent.commands.fence import CommandFence
 from edge_agent.commands.handlers import Handler, builtin_handlers
 from edge_agent.commands.hubclock import HubClock
 from edge_agent.commands.ledger import Ledger
+from edge_agent.commands.origin import consumer_to_bind
 from edge_agent.commands.resume import FastResume
 from edge_agent.core.config import Config
 from edge_agent.core.errors import OutboxError, ProtocolError, StateDBError
@@ -238,7 +239,7 @@ class Agent:
         hub_js = self._nc.jetstream(domain=self.config.hub.domain, timeout=2.0)
         if not await fence.load():
             self._spawn(tg, self._after_ready(lambda: self._learn_fence(fence, js, hub_js)))
-        self._spawn(tg, self._reconcile_loop(tg, self._nc))
+        self._spawn(tg, self._reconcile_loop(tg, self._nc, hub_js))
         self._spawn(tg, self._every(self.config.agent.link_poll_interval, self._poll_link))
         self._spawn(tg, self.drainer.run())
         self._spawn(tg, self._every(self.config.agent.heartbeat_interval, self._heartbeat))
@@ -276,7 +277,9 @@ class Agent:
         self.restart_requested = True
         self.shutdown.set()
 
-    async def _reconcile_loop(self, tg: asyncio.TaskGroup, nc: Client) -> None:
+    async def _reconcile_loop(
+        self, tg: asyncio.TaskGroup, nc: Client, hub_js: JetStreamContext
+    ) -> None:
         js = nc.jetstream()
         while True:
             await self._reconcile_needed.wait()
@@ -295,7 +298,8 @@ class Agent:
             async for attempt in retrying:
                 with attempt:
                     await self.island.up.wait()
-                    results = await reconcile(js, self.config)
+                    consumer = await consumer_to_bind(js, hub_js, self.config)
+                    results = await reconcile(js, self.config, consumer)
             if self._island_was_fresh is None:
                 self._island_was_fresh = any(
                     r.name == EVENTS and r.change == "created" for r in results

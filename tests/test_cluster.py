@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from edge_agent.protocol.names import ISLAND_CONSUMER
+from edge_agent.protocol.names import island_consumer
 from hub_ingest.fleet.auth import sync_users
 from hub_ingest.fleet.provision import provision
 from hub_ingest.fleet.registry import Device, Registry
@@ -107,7 +107,7 @@ async def test_a_devices_own_streams_take_no_raft_group(cluster_hub: ClusterHub)
     for name, replicas in ((mirror, 1), ("CMD_a", 1), ("FLEET_TELEMETRY", 3), ("COMMANDS", 3)):
         info = await cluster_hub.js.stream_info(name)
         assert info.config.num_replicas == replicas, name
-    consumer = await cluster_hub.js.consumer_info("CMD_a", ISLAND_CONSUMER)
+    consumer = await cluster_hub.js.consumer_info("CMD_a", island_consumer(0))
     assert consumer.config.num_replicas in (0, 1)
 
 

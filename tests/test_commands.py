@@ -13,6 +13,8 @@ from typing import Any
 from nats.js import JetStreamContext
 
 from edge_agent.commands.handlers import HandlerContext, builtin_handlers
+from edge_agent.island.streams import bound_consumer
+from edge_agent.protocol.names import ISLAND_CONSUMER, island_consumer
 from edge_agent.status.health import collect_status
 from hub_ingest.local.fleet import write_hub_toml
 from tests.support.cluster import (
@@ -264,6 +266,33 @@ async def test_a_command_stream_made_again_at_the_hub_still_reaches_the_device(
     await eventually(lambda: _last_seq(a.js, "COMMANDS", 2), timeout=60, what="mirror made again")
     await eventually(lambda: _ledger_idle(a), timeout=30, what="the new mirror consumed")
     assert runs(ran) == 5
+
+
+async def test_an_island_made_offline_binds_to_its_consumer_when_it_links(
+    hub: Hub, tmp_path: Path
+) -> None:
+    """An island made while its link is down cannot ask which consumer on ``CMD_<id>`` to
+    bind to: its mirror binds to `ISLAND`, which a device enrolled now does not have. When
+    the link comes up the agent makes it again bound to its shard's; a command sent while
+    it was offline runs once and reaches the mirror, and so does the next."""
+    counter = counter_program(tmp_path)
+    ran = tmp_path / "runs"
+    sections = {"commands": {"exec_allow": [[*counter, "*"]]}}
+    a = await hub.device("a", sections=sections, start=False, register_when_ready=True)
+    a.proxy.cut()
+    await a.start()
+    assert await bound_consumer(a.js) == ISLAND_CONSUMER
+    offline = await send_command(hub, "a", "exec", {"argv": [*counter, str(ran), "0"]})
+
+    a.proxy.restore()
+    await hub.register("a")
+    await _result(a, offline.id, timeout=RESUME_TIMEOUT)
+    linked = await send_command(hub, "a", "exec", {"argv": [*counter, str(ran), "0"]})
+    await _result(a, linked.id)
+    await eventually(lambda: _last_seq(a.js, "COMMANDS", 2), timeout=30, what="mirror at 2")
+    assert await bound_consumer(a.js) == island_consumer(0)
+    await eventually(lambda: _ledger_idle(a), timeout=30, what="the mirror consumed")
+    assert runs(ran) == 2
 
 
 async def _last_seq(js: JetStreamContext, stream: str, seq: int) -> bool:

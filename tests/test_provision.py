@@ -15,7 +15,13 @@ import pytest
 from nats.js import JetStreamContext
 from nats.js.api import StreamConfig, StreamInfo
 
-from edge_agent.protocol.names import ISLAND_CONSUMER, command_stream, hub_consumer
+from edge_agent.island.streams import bound_consumer
+from edge_agent.protocol.names import (
+    ISLAND_CONSUMER,
+    command_stream,
+    hub_consumer,
+    island_consumer,
+)
 from edge_agent.protocol.reconcile import reconcile_stream
 from hub_ingest.commands.send import new_envelope, send
 from hub_ingest.core.errors import RegistryError
@@ -25,6 +31,8 @@ from hub_ingest.fleet.auth import (
     public_key,
     reload_server,
     render_auth,
+    sync_users,
+    write_secret,
 )
 from hub_ingest.fleet.clashes import subjects_overlap
 from hub_ingest.fleet.provision import provision
@@ -245,7 +253,7 @@ async def _flow_control_answered(hub: Hub, device: Device, enrolled: Enrolled) -
     (a window's worth unanswered, the link stalls)."""
     incarnation = enrolled.current("TELEMETRY")
     assert incarnation is not None
-    hub_consumer_of = (hub.js, command_stream(device.id), ISLAND_CONSUMER)
+    hub_consumer_of = (hub.js, command_stream(device.id), enrolled.command_consumer)
     island_consumer_of = (device.js, "TELEMETRY", hub_consumer(incarnation.id))
     for js, stream, consumer in (hub_consumer_of, island_consumer_of):
         await eventually(
@@ -283,21 +291,44 @@ async def test_each_shard_links_in_an_account_of_its_own(tmp_path: Path) -> None
             )
             assert answer is not None, f"{device.id}'s island did not answer the hub"
             assert answer["config"]["name"] == "TELEMETRY"
-            await _flow_control_answered(hub, device, await registry.get(device.id))
+            enrolled = await registry.get(device.id)
+            # Learnt when it linked: its command mirror was made bound to `ISLAND`.
+            assert await bound_consumer(device.js) == island_consumer(enrolled.shard)
+            await _flow_control_answered(hub, device, enrolled)
     finally:
         await hub.close()
 
 
-def test_a_device_brings_one_stream_import_and_an_incarnation_none() -> None:
-    """A reload that changes an account's stream imports makes nats-server examine each of
-    its subscriptions against each of them (seconds for a hub of 500 devices): a device
-    brings one, its command consumer's flow control; its deliveries cross under its
-    shard's, so a new incarnation brings none. A mirror made before each shard's
-    deliveries were renamed keeps its device an import of its own."""
+async def test_a_device_enrolled_before_consumers_were_named_keeps_its_own(hub: Hub) -> None:
+    """A device a release before 2026-11-29 enrolled has `ISLAND` in its record: its
+    ``CMD_<id>`` names no consumer, its island stays bound to `ISLAND`, and its flow control
+    crosses under an import of its own."""
+    seed = new_seed()
+    write_secret(hub.seed_file("old"), seed)
+    registry = await Registry.open(hub.js)
+    await registry.create(Enrolled("old", "edge-old", 0, "2026-11-28T00:00:00Z", public_key(seed)))
+    await sync_users(hub.js, hub.config)
+    device = await hub.device("old", register_when_ready=True)
 
-    def enrolled(i: int, *incarnations: Incarnation) -> Enrolled:
+    await _both_ways(hub, device, "kept")
+    assert await bound_consumer(device.js) == ISLAND_CONSUMER
+    await _flow_control_answered(hub, device, await registry.get("old"))
+
+
+def test_a_device_brings_no_stream_import_nor_does_an_incarnation() -> None:
+    """A reload that changes an account's stream imports makes nats-server examine each of
+    its subscriptions against each of them (seconds for a hub of 500 devices): a device's
+    command consumer is named after its shard, whose import takes its flow control, and its
+    deliveries cross under its shard's, so neither a device nor a new incarnation brings
+    one. A device enrolled before (its island bound to `ISLAND`) and a mirror made before
+    each shard's deliveries were renamed keep an import of their own."""
+
+    def enrolled(i: int, *incarnations: Incarnation, consumer: str | None = None) -> Enrolled:
         key = public_key(new_seed())
-        return Enrolled(f"d{i}", f"edge-d{i}", i % 2, "2026-11-29T00:00:00Z", key, incarnations)
+        bound = consumer or island_consumer(i % 2)
+        return Enrolled(
+            f"d{i}", f"edge-d{i}", i % 2, "2026-11-29T00:00:00Z", key, incarnations, bound
+        )
 
     def seen(incarnation: str, via_shard: bool = True) -> Incarnation:
         return Incarnation("TELEMETRY", incarnation, "2026-11-29T00:00:00Z", 0, False, via_shard)
@@ -312,10 +343,12 @@ def test_a_device_brings_one_stream_import_and_an_incarnation_none() -> None:
 
     fleet = [enrolled(i, seen(f"i{i}")) for i in range(4)]
     before = stream_imports(fleet)
-    # Each shard's deliveries (renamed) and commands; each device's flow control.
-    assert len(before) == 2 * 2 + 4
+    # Each shard's deliveries (renamed), commands and command consumers' flow control.
+    assert len(before) == 2 * 3
+    assert stream_imports([*fleet, enrolled(4)]) == before
+    older = enrolled(4, consumer=ISLAND_CONSUMER)
     added = '{"stream": {"account": "DEVICES", "subject": "$JS.FC.CMD_d4.ISLAND.*"}}'
-    assert sorted(stream_imports([*fleet, enrolled(4)])) == sorted([*before, added])
+    assert sorted(stream_imports([*fleet, older])) == sorted([*before, added])
     fleet[1] = replace(fleet[1], incarnations=(seen("i1"), seen("later")))
     assert stream_imports(fleet) == before
     fleet[2] = replace(fleet[2], incarnations=(seen("old", via_shard=False), seen("i2")))

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from pyspark.sql import SparkSession
 
-from edge_agent.protocol.names import ISLAND_CONSUMER, command_stream
+from edge_agent.protocol.names import command_stream, island_consumer
 from edge_agent.protocol.pack import PACK_SUBJECT
 from hub_ingest.archive.audit import audit_archive
 from hub_ingest.commands.send import command_status
@@ -57,8 +57,9 @@ async def _subjects(hub: Hub) -> set[str]:
 
 async def _confirmed(hub: Hub, device_id: str, seq: int) -> bool:
     """Whether the consumer the island's command mirror reads through has its ack floor at
-    `seq` (the island told the hub it holds every command up to it)."""
-    info = await hub.js.consumer_info(command_stream(device_id), ISLAND_CONSUMER)
+    `seq` (the island told the hub it holds every command up to it); the device is in the
+    first shard."""
+    info = await hub.js.consumer_info(command_stream(device_id), island_consumer(0))
     return (info.ack_floor.stream_seq if info.ack_floor else 0) >= seq
 
 

@@ -60,6 +60,9 @@ class Island:
 
     config: Config
     server: ServerProcess
+    # The hub's consumer its command mirror binds to: an agent learns it at its first link
+    # (`edge_agent.commands.origin`), a bare island is told.
+    command_consumer: str
     nc: Client | None = None
 
     @property
@@ -96,7 +99,7 @@ class Island:
         # Real devices do not share the hub's cores: here they yield them to it, so what is
         # measured is the hub's cost rather than two cores shared by 200 servers.
         os.setpriority(os.PRIO_PROCESS, proc.pid, ISLAND_NICENESS)
-        await reconcile(self.js, self.config)
+        await reconcile(self.js, self.config, self.command_consumer)
 
     async def close(self) -> None:
         if self.nc is not None:
@@ -115,6 +118,7 @@ def new_island(
     seed: Path,
     retry: tuple[str, str],
     *,
+    command_consumer: str,
     compression: str = BY_RTT,
 ) -> Island:
     reconnect, spread = retry
@@ -141,7 +145,8 @@ def new_island(
         },
     }
     config = parse_config(data)
-    return Island(config, ServerProcess(config.island.config_path, config.island.monitor_url))
+    server = ServerProcess(config.island.config_path, config.island.monitor_url)
+    return Island(config, server, command_consumer)
 
 
 @dataclass
@@ -203,11 +208,13 @@ class Fleet:
         if registered != len(ids):
             raise BenchError(f"enrolled {registered} of {len(ids)}")
         attach_s = 0.0
+        consumers = {d.device_id: d.command_consumer for d in await self.devices()}
         for first in range(0, len(ids), RAMP):
             # A batch at a time, as devices come online: attaching hundreds in one round asks
             # every island across its link at once, on a machine whose cores they share.
             batch = ids[first : first + RAMP]
-            await limited((partial(self.start_island, homes, d) for d in batch), STARTING)
+            starts = (partial(self.start_island, homes, d, consumers[d]) for d in batch)
+            await limited(starts, STARTING)
             await self.await_links(batch)
             start = time.monotonic()
             await self.attach(set(batch))
@@ -225,7 +232,8 @@ class Fleet:
         start = time.monotonic()
         await self.enrol(wanted)
         enrolled = time.monotonic() - start
-        await self.start_island(homes, device_id)
+        device = await (await Registry.open(self.hub.js)).get(device_id)
+        await self.start_island(homes, device_id, device.command_consumer)
         await self.await_links([device_id])
         start = time.monotonic()
         await self.attach({device_id})
@@ -252,7 +260,7 @@ class Fleet:
         done = await enrol_many(self.hub.js, self.hub.config, wanted)
         return len(done.enrolled) + len(done.present)
 
-    async def start_island(self, homes: Path, device_id: str) -> None:
+    async def start_island(self, homes: Path, device_id: str, command_consumer: str) -> None:
         """Start `device_id`'s island; again on other ports if another process took one of
         its ports between `free_port` and the server's bind (the machine is shared)."""
         for attempt in range(ATTEMPTS):
@@ -261,7 +269,13 @@ class Fleet:
             slow = int((n + 1) * self.compressed) > int(n * self.compressed)
             compression = "s2_auto" if slow else BY_RTT
             island = new_island(
-                homes, device_id, self.leaf_urls, seed, self.reconnect, compression=compression
+                homes,
+                device_id,
+                self.leaf_urls,
+                seed,
+                self.reconnect,
+                command_consumer=command_consumer,
+                compression=compression,
             )
             try:
                 await island.start()

@@ -29,7 +29,12 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import APIError
-from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential_jitter
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception_type,
+    wait_exponential_jitter,
+)
 
 from edge_agent.commands.fence import CommandFence
 from edge_agent.commands.handlers import Handler, HandlerContext
@@ -87,6 +92,7 @@ class Executor:
         self._idle = asyncio.Event()
         self._idle.set()
         self._handler_task: asyncio.Task[Any] | None = None
+        self._mirror_remade = False  # its consumer on the mirror went with the mirror
 
     @property
     def stopping(self) -> bool:
@@ -117,6 +123,11 @@ class Executor:
                 await self._ledger.finish(entry.key, entry.seq, result, entry.received_at)
                 log.warning("command_interrupted", key=entry.key, seq=entry.seq, type=entry.type)
 
+    def mirror_remade(self) -> None:
+        """The mirror was deleted and made again (`edge_agent.commands.origin`): the consumer
+        on it is made again, as expected, until that works."""
+        self._mirror_remade = True
+
     async def run(self) -> None:
         """Consume the mirror until `stop()`; transient errors are retried with backoff."""
         await self.recover()
@@ -124,14 +135,18 @@ class Executor:
         retrying = AsyncRetrying(
             retry=retry_if_exception_type(_TRANSIENT),
             wait=wait_exponential_jitter(multiplier=0.2, max=2.0, jitter=0.2),
-            before_sleep=lambda state: log.warning(
-                "command_consumer_retry",
-                error=repr(state.outcome.exception()) if state.outcome else None,
-            ),
+            before_sleep=self._retrying,
         )
         async for attempt in retrying:
             with attempt:
                 await self._consume()
+
+    def _retrying(self, state: RetryCallState) -> None:
+        error = repr(state.outcome.exception()) if state.outcome else None
+        if self._mirror_remade:
+            log.info("command_consumer_remade", error=error)
+        else:
+            log.warning("command_consumer_retry", error=error)
 
     async def _consume(self) -> None:
         await self._js.add_consumer(
@@ -144,6 +159,7 @@ class Executor:
                 max_deliver=-1,
             ),
         )
+        self._mirror_remade = False
         sub = await self._js.pull_subscribe_bind(CONSUMER, stream=COMMAND_MIRROR)
         try:
             while not self._stopping:

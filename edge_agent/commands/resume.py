@@ -101,6 +101,7 @@ class FastResume:
             # they are read here instead and answered "not run".
             cursor = 0
         ran = 0
+        checked = False
         while not self._link.is_down.is_set() and not self._executor.stopping:
             try:
                 msg = await self._next(cursor)
@@ -118,8 +119,14 @@ class FastResume:
                     ran += 1
                 cursor = msg.seq
                 continue
-            if time.monotonic() - started >= self._settle and await self._mirror_live(cursor):
-                break
+            if time.monotonic() - started >= self._settle:
+                if await self._mirror_live(cursor):
+                    break
+                if not checked:
+                    # A mirror bound to a consumer the origin does not have (a new island's,
+                    # before it learnt its own) is never live: checked once it is late.
+                    checked = True
+                    await self._origin_replaced()
             await asyncio.sleep(self._poll_interval)
         if not self._link.is_down.is_set() and not self._executor.stopping:
             self._fenced_unread = False
@@ -137,13 +144,14 @@ class FastResume:
             replaced = await replaced_origin(self._island, self._hub, self._origin)
             if replaced is None:
                 return False
+            self._executor.mirror_remade()
             await rebuild_mirror(self._island, self._hub, self._config, replaced)
         except (nats.errors.Error, APIError, TimeoutError) as exc:
             log.debug("command_origin_unchecked", error=repr(exc))
             return False
-        self.figures = dataclasses.replace(
-            self.figures, mirror_rebuilds=self.figures.mirror_rebuilds + 1
-        )
+        if not replaced.rebound:
+            rebuilds = self.figures.mirror_rebuilds + 1
+            self.figures = dataclasses.replace(self.figures, mirror_rebuilds=rebuilds)
         return True
 
     async def _next(self, cursor: int) -> RawStreamMsg | None:

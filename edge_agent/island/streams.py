@@ -150,10 +150,11 @@ def desired_streams(
     *,
     packed: bool = False,
     readings_from: int | None = None,
+    command_consumer: str = ISLAND_CONSUMER,
 ) -> list[StreamConfig]:
     """The streams the island must have, as configured (outbound ones in `incarnations`);
     `packed`: its telemetry crosses in packs, and a new ``READINGS`` starts at
-    `readings_from`."""
+    `readings_from`; the command mirror binds to the hub's `command_consumer`."""
     incarnations = incarnations or {}
     mirror = StreamSource(
         name=command_stream(config.device_id),
@@ -161,7 +162,7 @@ def desired_streams(
         # Bound to a durable consumer the hub made (ADR-60): after a cut the server resumes
         # it as soon as that consumer's heartbeats cross again, instead of 10-40 s later.
         consumer=StreamConsumerSource(
-            name=ISLAND_CONSUMER, deliver_subject=island_deliver_subject(config.device_id)
+            name=command_consumer, deliver_subject=island_deliver_subject(config.device_id)
         ),
     )
     return [
@@ -304,11 +305,24 @@ async def reset_hub_consumers(nc: Client) -> list[str]:
     return reset
 
 
-async def reconcile(js: JetStreamContext, config: Config) -> list[Reconciled]:
+async def bound_consumer(js: JetStreamContext) -> str | None:
+    """The hub consumer the island's command mirror is bound to (None: no mirror yet)."""
+    try:
+        mirror = (await js.stream_info(COMMAND_MIRROR)).config.mirror
+    except NotFoundError:
+        return None
+    return mirror.consumer.name if mirror and mirror.consumer else None
+
+
+async def reconcile(
+    js: JetStreamContext, config: Config, command_consumer: str | None = None
+) -> list[Reconciled]:
     """Bring every island stream in line with `config`; safe to call any number of times.
 
     An outbound stream keeps its incarnation; one created now gets a new id (the same for
-    every stream created in this call).
+    every stream created in this call). The command mirror keeps the consumer it is bound
+    to unless `command_consumer` names one (made now, it binds to `ISLAND_CONSUMER` until
+    the link comes up and ``CMD_<id>`` names its own: `edge_agent.commands.origin`).
     """
     fresh = new_incarnation()
     try:
@@ -319,7 +333,10 @@ async def reconcile(js: JetStreamContext, config: Config) -> list[Reconciled]:
         if new := [name for name in OUTBOUND if found[name] is None]:
             log.info("incarnation_started", incarnation=fresh, streams=new)
         start = await readings_from(js, infos[TELEMETRY]) if packed else None
-        wanted = desired_streams(config, chosen, packed=packed, readings_from=start)
+        consumer = command_consumer or await bound_consumer(js) or ISLAND_CONSUMER
+        wanted = desired_streams(
+            config, chosen, packed=packed, readings_from=start, command_consumer=consumer
+        )
         results = [await reconcile_stream(js, want) for want in wanted]
         for name, incarnation in chosen.items():
             await js.add_consumer(name, hub_consumer_config(config, name, incarnation, packed))

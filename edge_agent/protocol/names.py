@@ -18,8 +18,17 @@ OUTBOUND = (TELEMETRY, EVENTS)  # the island streams the hub mirrors
 COMMAND_MIRROR = "COMMANDS"  # the island's mirror of its CMD_<id>
 HUB_COMMANDS = "COMMANDS"  # the hub stream every command is published to (cmd.>)
 INCARNATION = "incarnation"  # stream metadata key: the life of a device stream
-# The durable consumer on the hub's CMD_<id> that the island's COMMANDS mirror binds to.
+# The durable consumer on the hub's CMD_<id> that the island's COMMANDS mirror binds to: this
+# name for devices enrolled before 2026-11-29 (and an island that has not asked yet), else
+# the one `CMD_<id>`'s metadata names under `ISLAND_CONSUMER_KEY` (its shard's,
+# `island_consumer`): its flow control then crosses under one import a shard, not one a device.
 ISLAND_CONSUMER = "ISLAND"
+ISLAND_CONSUMER_KEY = "island-consumer"
+
+
+def island_consumer(shard: int) -> str:
+    """The name of the consumer the islands of a shard's devices bind to (``ISLAND_1``…)."""
+    return f"{ISLAND_CONSUMER}_{shard + 1}"
 
 
 def js_api(domain: str) -> str:

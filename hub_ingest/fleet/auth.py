@@ -45,6 +45,7 @@ from edge_agent.protocol.names import (
     OUTBOUND,
     command_stream,
     inbox_prefix,
+    island_consumer,
     js_api,
     to_device_prefix,
     to_hub_prefix,
@@ -102,8 +103,9 @@ def device_permissions(device: Device, hub_domain: str) -> dict[str, Any]:
             "allow": [
                 f"{api}.CONSUMER.CREATE.{commands}",
                 f"{api}.CONSUMER.CREATE.{commands}.>",
-                # The island's mirror restarts the consumer it is bound to after a cut.
-                f"{api}.CONSUMER.RESET.{commands}.{ISLAND_CONSUMER}",
+                # The island's mirror restarts the consumer it is bound to after a cut (one
+                # made before its first link is bound to `ISLAND_CONSUMER`).
+                *(f"{api}.CONSUMER.RESET.{commands}.{c}" for c in _bound_to(device)),
                 f"{api}.DIRECT.GET.{commands}",
                 f"{api}.DIRECT.GET.{commands}.>",
                 f"{api}.STREAM.INFO.{commands}",
@@ -119,8 +121,8 @@ def device_permissions(device: Device, hub_domain: str) -> dict[str, Any]:
                 # No wider: the hub tells a link of every subscription on a subject its
                 # device may publish, so `$JS.FC.>` here told every link every flow-control
                 # subject of the fleet (its square, docs/scaling.md).
-                _hub_flow_control(commands),
-                f"$JS.FC.{hub_domain}.*.{commands}.{ISLAND_CONSUMER}.*",
+                _hub_flow_control(commands, device.command_consumer),
+                f"$JS.FC.{hub_domain}.*.{commands}.{device.command_consumer}.*",
             ]
         },
         "subscribe": {
@@ -151,11 +153,16 @@ _ISLAND_FLOW_CONTROL = tuple(
 )
 
 
-def _hub_flow_control(stream: str) -> str:
-    """Flow control of the hub's consumer `ISLAND` on `stream`, in the form the hub's
+def _bound_to(device: Device) -> tuple[str, ...]:
+    """The consumers on its ``CMD_<id>`` a device's island may be bound to."""
+    return tuple(dict.fromkeys((ISLAND_CONSUMER, device.command_consumer)))
+
+
+def _hub_flow_control(stream: str, consumer: str) -> str:
+    """Flow control of the hub's consumer `consumer` on `stream`, in the form the hub's
     nats-server uses (its `js_ack_fc_v2` feature flag is off); a device may publish the
     other form too."""
-    return f"$JS.FC.{stream}.{ISLAND_CONSUMER}.*"
+    return f"$JS.FC.{stream}.{consumer}.*"
 
 
 # What each account exports and the other imports. A service answering a batched direct get
@@ -168,7 +175,7 @@ _FLEET_EXPORTS: tuple[dict[str, str], ...] = (
 _DEVICES_EXPORTS: tuple[dict[str, str], ...] = (
     *({"service": subject} for subject in _ISLAND_FLOW_CONTROL),
     {"stream": "hubin.>"},
-    {"stream": _hub_flow_control("*")},
+    {"stream": _hub_flow_control("*", ISLAND_CONSUMER)},
 )
 # The islands' APIs, which the hub's account imports one by one, named by each domain: a
 # wildcard would overlap the hub's own API, which the devices' account imports.
@@ -187,12 +194,13 @@ def _imported(exports: Iterable[dict[str, str]], account: str) -> list[dict[str,
 
 def _fleet_account(operator_key: str, devices: list[Device], shards: list[int]) -> dict[str, Any]:
     """The hub's JetStream account: the operators, the streams, and what crosses from each
-    shard's account. Each device adds its island's API and one stream import: its island's
-    answers to its command consumer's flow control, in the form the hub's nats-server uses
-    (`js_ack_fc_v2` is off), imported from its own shard's account so that a link is told
-    of its own consumer's only and no service import is told to every link at its
-    handshake. A reload that changes an account's stream imports re-examines each of its
-    subscriptions against each of them (docs/scaling.md, "Leaf accounts")."""
+    shard's account. Each device adds its island's API; one enrolled before 2026-11-29
+    (bound to `ISLAND_CONSUMER`) one stream import more: its island's answers to its command
+    consumer's flow control, in the form the hub's nats-server uses (`js_ack_fc_v2` is off),
+    imported from its own shard's account so that a link is told of its own consumer's only
+    and no service import is told to every link at its handshake. A reload that changes an
+    account's stream imports re-examines each of its subscriptions against each of them
+    (docs/scaling.md, "Leaf accounts"): the devices enrolled since share their shard's."""
     return {
         "jetstream": "enabled",
         "users": [{"nkey": operator_key}],
@@ -206,10 +214,11 @@ def _fleet_account(operator_key: str, devices: list[Device], shards: list[int]) 
                 {
                     "stream": {
                         "account": devices_account(d.shard),
-                        "subject": _hub_flow_control(command_stream(d.device_id)),
+                        "subject": _hub_flow_control(command_stream(d.device_id), ISLAND_CONSUMER),
                     }
                 }
                 for d in devices
+                if d.command_consumer == ISLAND_CONSUMER
             ),
             *(i for shard in shards for i in _shard_imports(shard)),
             *(
@@ -228,10 +237,13 @@ def _shard_imports(shard: int) -> list[dict[str, Any]]:
     is linked in has an interest); the islands' deliveries, renamed under the shard's
     prefix, so that a hub mirror's subscription is shadowed in its own shard's account alone
     and told to that shard's links only (each mirror's set-up, retried after a restart,
-    subscribes again)."""
+    subscribes again); the islands' answers to the flow control of the shard's command
+    consumers, whose name is the shard's, so that only that shard's are shadowed in its
+    account."""
     account = devices_account(shard)
     return [
         *({"service": {"account": account, "subject": s}} for s in _ISLAND_FLOW_CONTROL),
+        {"stream": {"account": account, "subject": _shard_flow_control(shard)}},
         {
             "stream": {"account": account, "subject": "hubin.>"},
             "to": f"{shard_deliveries(shard)}.hubin.>",
@@ -246,7 +258,11 @@ def _legacy_deliveries(device: Device) -> dict[str, Any]:
     return {"stream": {"account": devices_account(device.shard), "subject": subject}}
 
 
-def _devices_account(devices: list[Device], hub_domain: str) -> dict[str, Any]:
+def _shard_flow_control(shard: int) -> str:
+    return _hub_flow_control("*", island_consumer(shard))
+
+
+def _devices_account(shard: int, devices: list[Device], hub_domain: str) -> dict[str, Any]:
     """The account one shard's leaf connections bind to: no JetStream and no stream of its
     own, so a link connecting costs the hub no look at the fleet's streams, and a mirror's
     set-up in the hub's account is not told to every link. A link connecting is told of
@@ -257,7 +273,11 @@ def _devices_account(devices: list[Device], hub_domain: str) -> dict[str, Any]:
         "users": [
             {"nkey": d.nkey, "permissions": device_permissions(d, hub_domain)} for d in devices
         ],
-        "exports": [_ISLAND_API_EXPORT, *_DEVICES_EXPORTS],
+        "exports": [
+            _ISLAND_API_EXPORT,
+            *_DEVICES_EXPORTS,
+            {"stream": _shard_flow_control(shard)},
+        ],
         # The hub's API under its domain, as the islands address it (nats-server maps it so
         # for a linked account too, but only once a link is up).
         "mappings": {f"{js_api(hub_domain)}.>": "$JS.API.>"},
@@ -274,7 +294,7 @@ def render_auth(operator_key: str, devices: Iterable[Device], hub_domain: str) -
         ACCOUNT: _fleet_account(operator_key, listed, shards),
         **{
             devices_account(shard): _devices_account(
-                [d for d in listed if d.shard == shard], hub_domain
+                shard, [d for d in listed if d.shard == shard], hub_domain
             )
             for shard in shards
         },

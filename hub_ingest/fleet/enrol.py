@@ -29,7 +29,6 @@ from nats.js import JetStreamContext
 from edge_agent.protocol.names import command_stream, island_name
 from edge_agent.protocol.reconcile import Reconciled
 from edge_agent.protocol.tomlconf import identifier
-from edge_agent.protocol.units import utc_now_iso
 from hub_ingest.core import failpoints
 from hub_ingest.core.config import HubConfig
 from hub_ingest.core.errors import EnrolmentError, RegistryError
@@ -211,7 +210,7 @@ async def _register(
             write_secret(written, seed)
             nkey = public_key(seed)
         domain = e.domain or island_name(e.device_id)
-        device = await registry.create(Device(e.device_id, domain, shard, utc_now_iso(), nkey))
+        device = await registry.create(Device.new(e.device_id, domain, shard, nkey))
         done.append(Enrolled(device, written))
         if len(done) == len(plan.new) // 2:
             failpoints.reach("mid_enrol")

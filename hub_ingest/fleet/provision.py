@@ -41,6 +41,7 @@ from edge_agent.protocol.errors import StreamError
 from edge_agent.protocol.names import (
     HUB_COMMANDS,
     ISLAND_CONSUMER,
+    ISLAND_CONSUMER_KEY,
     command_filters,
     command_stream,
     fence_key,
@@ -159,6 +160,14 @@ def device_commands(config: HubConfig, device: Device) -> StreamConfig:
         metadata={
             **MANAGED_BY,
             **{fence_key(i.id): str(i.command_fence) for i in device.incarnations},
+            # What the island binds to, read when it links (`edge_agent.commands.origin`);
+            # left out for the consumer an island binds to unasked, so the streams of the
+            # devices enrolled before it was named stay as they were.
+            **(
+                {}
+                if device.command_consumer == ISLAND_CONSUMER
+                else {ISLAND_CONSUMER_KEY: device.command_consumer}
+            ),
         },
         num_replicas=config.device_replicas,
     )
@@ -167,7 +176,8 @@ def device_commands(config: HubConfig, device: Device) -> StreamConfig:
 def island_consumer(device: Device) -> ConsumerConfig:
     """The consumer on ``CMD_<id>`` that the island's ``COMMANDS`` mirror binds to (see
     `edge_agent.island.streams`); it delivers under a prefix only that device may read."""
-    return mirror_consumer(ISLAND_CONSUMER, island_deliver_subject(device.device_id), MANAGED_BY)
+    deliver = island_deliver_subject(device.device_id)
+    return mirror_consumer(device.command_consumer, deliver, MANAGED_BY)
 
 
 async def provision_commands(

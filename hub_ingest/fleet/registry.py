@@ -32,7 +32,7 @@ from nats.js.errors import (
 from nats.js.kv import KV_DEL, KV_OP, KV_PURGE, KeyValue
 from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_exponential_jitter
 
-from edge_agent.protocol.names import island_name, js_api
+from edge_agent.protocol.names import ISLAND_CONSUMER, island_consumer, island_name, js_api
 from edge_agent.protocol.units import utc_now_iso
 from hub_ingest.core.buckets import bucket_keys, bucket_stream
 from hub_ingest.core.errors import RegistryError
@@ -75,6 +75,15 @@ class Device:
     added_at: str
     nkey: str  # the public key the device's leaf connection authenticates with
     incarnations: tuple[Incarnation, ...] = field(default=())
+    # The consumer on its CMD_<id> that its island's command mirror binds to: its shard's
+    # (`new`), or `ISLAND_CONSUMER` for the devices enrolled before 2026-11-29, whose
+    # islands are bound to it (docs/scaling.md, "Adding a device").
+    command_consumer: str = ISLAND_CONSUMER
+
+    @classmethod
+    def new(cls, device_id: str, domain: str, shard: int, nkey: str) -> Device:
+        """A device enrolled now."""
+        return cls(device_id, domain, shard, utc_now_iso(), nkey, (), island_consumer(shard))
 
     @property
     def api_prefix(self) -> str:
@@ -222,7 +231,7 @@ class Registry:
         if holder is not None:
             raise RegistryError(f"key {nkey} is already used by device {holder.device_id!r}")
         (shard,) = assign_shards(existing, 1, max_per_shard)
-        return await self.create(Device(device_id, domain, shard, utc_now_iso(), nkey))
+        return await self.create(Device.new(device_id, domain, shard, nkey))
 
     @retry(
         # A registry bucket made a moment ago on a cluster may have no leader yet: the write
