@@ -13,8 +13,8 @@ keeps the commands that come a second time from running twice. Fast resume
 The same is done when the mirror is bound to another consumer than the one ``CMD_<id>``'s
 metadata names for the island (`ISLAND_CONSUMER_KEY`): an island made before its first link
 binds to `ISLAND_CONSUMER`, and the hub names a consumer after the device's shard for every
-device enrolled since 2026-11-29. Such a mirror never got a command, so it is only made again
-bound to the right one.
+device enrolled since 2026-11-29. It is made again the same way, bound to the right one,
+and logged as the routine it is (`command_mirror_rebound`).
 """
 
 from __future__ import annotations

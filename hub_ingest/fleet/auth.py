@@ -3,8 +3,9 @@
 The operators and the hub's streams are in the account ``FLEET``; the devices' leaf
 connections bind to an account of their aggregate shard (``DEVICES``, then ``DEVICES_2``,
 ``DEVICES_3``…), which has no stream. ``FLEET`` takes each shard's deliveries to the hub's
-mirrors once, renamed under the shard's prefix, and from each device's shard account its
-island's API and its answers to its command consumer's flow control. Bound to ``FLEET``, or
+mirrors once, renamed under the shard's prefix, and the answers to the flow control of its
+command consumers (named after the shard); from each device's shard account its island's
+API (and, enrolled before 2026-11-29, its own flow-control answers). Bound to ``FLEET``, or
 with the fleet's deliveries imported under their own names from every shard account, a link
 connecting cost a look at every other link's interest (docs/scaling.md, "Leaf accounts").
 Each device's leaf connection is held to subjects that carry its own id (docs/security.md
