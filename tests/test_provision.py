@@ -35,6 +35,7 @@ from hub_ingest.fleet.auth import (
     write_secret,
 )
 from hub_ingest.fleet.clashes import subjects_overlap
+from hub_ingest.fleet.enrol import enrol, retire
 from hub_ingest.fleet.provision import provision
 from hub_ingest.fleet.registry import Device as Enrolled
 from hub_ingest.fleet.registry import Incarnation, Registry
@@ -302,7 +303,8 @@ async def test_each_shard_links_in_an_account_of_its_own(tmp_path: Path) -> None
 async def test_a_device_enrolled_before_consumers_were_named_keeps_its_own(hub: Hub) -> None:
     """A device a release before 2026-11-29 enrolled has `ISLAND` in its record: its
     ``CMD_<id>`` names no consumer, its island stays bound to `ISLAND`, and its flow control
-    crosses under an import of its own."""
+    crosses under an import of its own. Removed and enrolled again, it gets its shard's
+    consumer, `ISLAND` goes (both deliver to the same subject), and its island binds again."""
     seed = new_seed()
     write_secret(hub.seed_file("old"), seed)
     registry = await Registry.open(hub.js)
@@ -312,6 +314,19 @@ async def test_a_device_enrolled_before_consumers_were_named_keeps_its_own(hub: 
 
     await _both_ways(hub, device, "kept")
     assert await bound_consumer(device.js) == ISLAND_CONSUMER
+    await _flow_control_answered(hub, device, await registry.get("old"))
+
+    await retire(hub.js, hub.config, "old")
+    await enrol(hub.js, hub.config, "old", key=public_key(seed))
+    await hub.provision()
+    consumers = {c.name for c in await hub.js.consumers_info(command_stream("old"))}
+    assert consumers == {island_consumer(0)}
+    # A link keeps the permissions it was made with: the new consumer's from the next one.
+    device.proxy.cut()
+    await device.wait_link(up=False)
+    device.proxy.restore()
+    await _both_ways(hub, device, "again")
+    assert await bound_consumer(device.js) == island_consumer(0)
     await _flow_control_answered(hub, device, await registry.get("old"))
 
 

@@ -101,7 +101,7 @@ class FastResume:
             # they are read here instead and answered "not run".
             cursor = 0
         ran = 0
-        checked = False
+        check_at = started + self._settle
         while not self._link.is_down.is_set() and not self._executor.stopping:
             try:
                 msg = await self._next(cursor)
@@ -122,10 +122,11 @@ class FastResume:
             if time.monotonic() - started >= self._settle:
                 if await self._mirror_live(cursor):
                     break
-                if not checked:
+                if time.monotonic() >= check_at:
                     # A mirror bound to a consumer the origin does not have (a new island's,
-                    # before it learnt its own) is never live: checked once it is late.
-                    checked = True
+                    # before it learnt its own) is never live: checked once it is late, and
+                    # again every so often while it stays so.
+                    check_at = time.monotonic() + ORIGIN_CHECK_S
                     await self._origin_replaced()
             await asyncio.sleep(self._poll_interval)
         if not self._link.is_down.is_set() and not self._executor.stopping:

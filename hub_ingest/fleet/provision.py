@@ -190,7 +190,25 @@ async def provision_commands(
     `_reconcile_read`)."""
     result = await _reconcile_read(js, device_commands(config, device), read)
     await js.add_consumer(result.name, island_consumer(device))
+    if result.change == "updated":  # e.g. the device enrolled again, its consumer renamed
+        await _drop_other_island_consumers(js, result.name, device.command_consumer)
     return result
+
+
+async def _drop_other_island_consumers(js: JetStreamContext, stream: str, keep: str) -> None:
+    """Delete the consumers an island bound to before its device's was renamed: they deliver
+    to the same subject, and their heartbeats there make the island's mirror, bound to the
+    device's, set itself up again and again."""
+    for info in await js.consumers_info(stream):
+        ours = (info.config.metadata or {}).items() >= MANAGED_BY.items()
+        if info.name != keep and ours and _island_named(info.name):
+            await js.delete_consumer(stream, info.name)
+            log.info("island_consumer_dropped", stream=stream, consumer=info.name, kept=keep)
+
+
+def _island_named(consumer: str) -> bool:
+    prefix, _, shard = consumer.partition("_")
+    return prefix == ISLAND_CONSUMER and (shard == "" or shard.isdigit())
 
 
 async def _reconcile_read(
