@@ -197,8 +197,9 @@ async def provision_commands(
 
 async def _drop_other_island_consumers(js: JetStreamContext, stream: str, keep: str) -> None:
     """Delete the consumers an island bound to before its device's was renamed: they deliver
-    to the same subject, and their heartbeats there make the island's mirror, bound to the
-    device's, set itself up again and again."""
+    to the same subject, and a mirror takes the heartbeats there whichever consumer sent
+    them (nats-server checks the consumer of deliveries only), which can make it set itself
+    up again."""
     for info in await js.consumers_info(stream):
         ours = (info.config.metadata or {}).items() >= MANAGED_BY.items()
         if info.name != keep and ours and _island_named(info.name):

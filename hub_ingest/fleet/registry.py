@@ -77,7 +77,7 @@ class Device:
     incarnations: tuple[Incarnation, ...] = field(default=())
     # The consumer on its CMD_<id> that its island's command mirror binds to: its shard's
     # (`new`), or `ISLAND_CONSUMER` for the devices enrolled before 2026-11-29, whose
-    # islands are bound to it (docs/scaling.md, "Adding a device").
+    # islands are bound to it (docs/scaling.md, "Command consumers named by shard").
     command_consumer: str = ISLAND_CONSUMER
 
     @classmethod
