@@ -293,7 +293,7 @@ async def test_each_shard_links_in_an_account_of_its_own(tmp_path: Path) -> None
             assert answer is not None, f"{device.id}'s island did not answer the hub"
             assert answer["config"]["name"] == "TELEMETRY"
             enrolled = await registry.get(device.id)
-            # Learnt when it linked: its command mirror was made bound to `ISLAND`.
+            # The one its `CMD_<id>`'s metadata names, read by its agent.
             assert await bound_consumer(device.js) == island_consumer(enrolled.shard)
             await _flow_control_answered(hub, device, enrolled)
     finally:
