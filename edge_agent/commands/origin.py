@@ -30,7 +30,7 @@ from nats.js.api import StreamInfo
 from nats.js.errors import APIError, NotFoundError
 
 from edge_agent.core.config import Config
-from edge_agent.island.streams import bound_consumer, reconcile
+from edge_agent.island.streams import bound_consumer, bound_to, reconcile
 from edge_agent.protocol.names import (
     COMMAND_MIRROR,
     ISLAND_CONSUMER,
@@ -51,7 +51,7 @@ class Replaced:
     origin_first: int
     origin_last: int
     reason: str
-    consumer: str = ISLAND_CONSUMER  # the origin's consumer the mirror is to bind to
+    consumer: str  # the origin's consumer the mirror is to bind to
     rebound: bool = False  # only the consumer differs
 
 
@@ -64,12 +64,13 @@ async def replaced_origin(
     replaced, if any is left; the mirror's later ones may come from the new origin) and the
     mirror's last. Raises the transport's errors: a question that got no answer proves
     nothing."""
-    mirror = (await island.stream_info(COMMAND_MIRROR)).state
+    mirror_info = await island.stream_info(COMMAND_MIRROR)
+    mirror = mirror_info.state
     info = await hub.stream_info(origin)
     state = info.state
     named = _named_consumer(info)
     found = Replaced(mirror.last_seq, state.first_seq, state.last_seq, "", named)
-    bound = await bound_consumer(island)
+    bound = bound_to(mirror_info)
     if bound != named:
         reason = f"the mirror is bound to consumer {bound}, the origin names {named}"
         return dataclasses.replace(found, reason=reason, rebound=True)
@@ -91,11 +92,11 @@ def _named_consumer(origin: StreamInfo) -> str:
 async def consumer_to_bind(
     island: JetStreamContext, hub: JetStreamContext, config: Config
 ) -> str | None:
-    """For a command mirror about to be made, the consumer the origin names, if the hub
-    answers now (made offline, the mirror binds to `ISLAND_CONSUMER` until the link comes
-    up); None when the mirror is there, bound to its own."""
-    if await bound_consumer(island) is not None:
-        return None
+    """The consumer the command mirror binds to: its own when it is there; for one about to
+    be made, the one the origin names, if the hub answers now (None: made offline, the
+    mirror binds to `ISLAND_CONSUMER` until the link comes up)."""
+    if (bound := await bound_consumer(island)) is not None:
+        return bound
     try:
         return _named_consumer(await hub.stream_info(command_stream(config.device_id)))
     except (nats.errors.Error, APIError, TimeoutError):

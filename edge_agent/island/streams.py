@@ -305,13 +305,18 @@ async def reset_hub_consumers(nc: Client) -> list[str]:
     return reset
 
 
+def bound_to(command_mirror: StreamInfo) -> str | None:
+    """The hub consumer the island's command mirror is bound to, as its info says."""
+    mirror = command_mirror.config.mirror
+    return mirror.consumer.name if mirror and mirror.consumer else None
+
+
 async def bound_consumer(js: JetStreamContext) -> str | None:
     """The hub consumer the island's command mirror is bound to (None: no mirror yet)."""
     try:
-        mirror = (await js.stream_info(COMMAND_MIRROR)).config.mirror
+        return bound_to(await js.stream_info(COMMAND_MIRROR))
     except NotFoundError:
         return None
-    return mirror.consumer.name if mirror and mirror.consumer else None
 
 
 async def reconcile(

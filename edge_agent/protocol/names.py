@@ -31,6 +31,12 @@ def island_consumer(shard: int) -> str:
     return f"{ISLAND_CONSUMER}_{shard + 1}"
 
 
+def is_island_consumer(name: str) -> bool:
+    """Whether `name` is one an island's command mirror binds to (either kind)."""
+    prefix, _, shard = name.partition("_")
+    return prefix == ISLAND_CONSUMER and (shard == "" or shard.isdigit())
+
+
 def js_api(domain: str) -> str:
     """The JetStream API prefix of a domain (``$JS.<domain>.API``)."""
     return f"$JS.{domain}.API"

@@ -47,6 +47,7 @@ from edge_agent.protocol.names import (
     fence_key,
     hub_consumer,
     hub_deliver_subject,
+    is_island_consumer,
     island_deliver_subject,
 )
 from edge_agent.protocol.pack import PACK_SUBJECT
@@ -202,14 +203,9 @@ async def _drop_other_island_consumers(js: JetStreamContext, stream: str, keep: 
     up again."""
     for info in await js.consumers_info(stream):
         ours = (info.config.metadata or {}).items() >= MANAGED_BY.items()
-        if info.name != keep and ours and _island_named(info.name):
+        if info.name != keep and ours and is_island_consumer(info.name):
             await js.delete_consumer(stream, info.name)
             log.info("island_consumer_dropped", stream=stream, consumer=info.name, kept=keep)
-
-
-def _island_named(consumer: str) -> bool:
-    prefix, _, shard = consumer.partition("_")
-    return prefix == ISLAND_CONSUMER and (shard == "" or shard.isdigit())
 
 
 async def _reconcile_read(
