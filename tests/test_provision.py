@@ -38,7 +38,7 @@ from hub_ingest.fleet.clashes import subjects_overlap
 from hub_ingest.fleet.enrol import enrol, retire
 from hub_ingest.fleet.provision import provision
 from hub_ingest.fleet.registry import Device as Enrolled
-from hub_ingest.fleet.registry import Incarnation, Registry
+from hub_ingest.fleet.registry import Incarnation, Registry, shard_api
 from hub_ingest.fleet.requests import island_stream
 from hub_ingest.fleet.streams import stream_names
 from hub_ingest.local.fleet import write_hub_toml
@@ -89,7 +89,7 @@ async def test_provision_is_idempotent_and_listens_on_no_device_subject(hub: Hub
     config = json.loads(reply.data)["config"]
     # Read through the durable consumer of this incarnation, delivering on a subject that
     # only device a may publish to.
-    assert config["mirror"]["external"]["api"] == "$JS.edge-a.API"
+    assert config["mirror"]["external"]["api"] == f"{shard_api(0)}.edge-a.API"
     assert config["mirror"]["consumer"] == {
         "name": "HUB_i1",
         "deliver_subject": "hubin.a.i1.TELEMETRY",
@@ -194,6 +194,18 @@ def _one_account(auth_text: str) -> str:
     )
 
 
+async def _enrolled_by_an_older_release(hub: Hub, device_id: str) -> Registry:
+    """`device_id` registered as a release before 2026-11-29 enrolled it: its island bound
+    to `ISLAND`, its island's API reached under its own domain."""
+    seed = new_seed()
+    write_secret(hub.seed_file(device_id), seed)
+    registry = await Registry.open(hub.js)
+    key = public_key(seed)
+    await registry.create(Enrolled(device_id, f"edge-{device_id}", 0, "2026-11-28T00:00:00Z", key))
+    await sync_users(hub.js, hub.config)
+    return registry
+
+
 async def _bound_to(hub: Hub, account: str) -> bool:
     """Whether the hub's one leaf connection is bound to `account`."""
     leafs = (await hub.server.monitor.get("/leafz"))["leafs"] or []
@@ -207,6 +219,7 @@ async def test_an_upgraded_hub_moves_its_linked_devices_to_their_own_account(
     the new accounts at `provision`. nats-server leaves a linked device where it was until
     its link drops (a reload does not move leaf connections), and it carries on both ways
     there, then in its own account."""
+    await _enrolled_by_an_older_release(hub, "a")
     device = await hub.device("a", register_when_ready=True, start=False)
     auth = hub.config.server.auth_file
     auth.write_text(_one_account(auth.read_text()))
@@ -305,19 +318,16 @@ async def test_a_device_enrolled_before_consumers_were_named_keeps_its_own(hub: 
     ``CMD_<id>`` names no consumer, its island stays bound to `ISLAND`, and its flow control
     crosses under an import of its own. Removed and enrolled again, it gets its shard's
     consumer, `ISLAND` goes (both deliver to the same subject), and its island binds again."""
-    seed = new_seed()
-    write_secret(hub.seed_file("old"), seed)
-    registry = await Registry.open(hub.js)
-    await registry.create(Enrolled("old", "edge-old", 0, "2026-11-28T00:00:00Z", public_key(seed)))
-    await sync_users(hub.js, hub.config)
+    registry = await _enrolled_by_an_older_release(hub, "old")
     device = await hub.device("old", register_when_ready=True)
 
     await _both_ways(hub, device, "kept")
     assert await bound_consumer(device.js) == ISLAND_CONSUMER
     await _flow_control_answered(hub, device, await registry.get("old"))
 
+    key = (await registry.get("old")).nkey
     await retire(hub.js, hub.config, "old")
-    await enrol(hub.js, hub.config, "old", key=public_key(seed))
+    await enrol(hub.js, hub.config, "old", key=key)
     await hub.provision()
     consumers = {c.name for c in await hub.js.consumers_info(command_stream("old"))}
     assert consumers == {island_consumer(0)}
@@ -330,45 +340,44 @@ async def test_a_device_enrolled_before_consumers_were_named_keeps_its_own(hub: 
     await _flow_control_answered(hub, device, await registry.get("old"))
 
 
-def test_a_device_brings_no_stream_import_nor_does_an_incarnation() -> None:
+def test_a_device_brings_no_import_nor_does_an_incarnation() -> None:
     """A reload that changes an account's stream imports makes nats-server examine each of
-    its subscriptions against each of them (seconds for a hub of 500 devices): a device's
-    command consumer is named after its shard, whose import takes its flow control, and its
-    deliveries cross under its shard's, so neither a device nor a new incarnation brings
-    one. A device enrolled before (its island bound to `ISLAND`) and a mirror made before
-    each shard's deliveries were renamed keep an import of their own."""
+    its subscriptions against each of them (seconds for a hub of 500 devices), and each
+    import is set up again at every reload: a device's command consumer is named after its
+    shard, whose import takes its flow control, its deliveries cross under its shard's, and
+    its island's API under its shard's prefix, so neither a device nor a new incarnation
+    brings an import. A device enrolled before (its island bound to `ISLAND`, or its API
+    reached under its own domain) and a mirror made before each shard's deliveries were
+    renamed keep an import of their own."""
 
-    def enrolled(i: int, *incarnations: Incarnation, consumer: str | None = None) -> Enrolled:
-        key = public_key(new_seed())
-        bound = consumer or island_consumer(i % 2)
-        return Enrolled(
-            f"d{i}", f"edge-d{i}", i % 2, "2026-11-29T00:00:00Z", key, incarnations, bound
-        )
+    def enrolled(i: int, *incarnations: Incarnation) -> Enrolled:
+        device = Enrolled.new(f"d{i}", f"edge-d{i}", i % 2, public_key(new_seed()))
+        return replace(device, incarnations=incarnations)
 
     def seen(incarnation: str, via_shard: bool = True) -> Incarnation:
         return Incarnation("TELEMETRY", incarnation, "2026-11-29T00:00:00Z", 0, False, via_shard)
 
-    def stream_imports(fleet: list[Enrolled]) -> list[str]:
+    def fleet_imports(fleet: list[Enrolled]) -> list[str]:
         text = render_auth(public_key(new_seed()), fleet, "hub")
-        return [
-            line.strip().rstrip(",")
-            for line in text.splitlines()
-            if '{"stream": {"account"' in line
-        ]
+        return [line.strip().rstrip(",") for line in text.splitlines() if '"DEVICES' in line]
 
     fleet = [enrolled(i, seen(f"i{i}")) for i in range(4)]
-    before = stream_imports(fleet)
-    # Each shard's deliveries (renamed), commands and command consumers' flow control.
-    assert len(before) == 2 * 3
-    assert stream_imports([*fleet, enrolled(4)]) == before
-    older = enrolled(4, consumer=ISLAND_CONSUMER)
-    added = '{"stream": {"account": "DEVICES", "subject": "$JS.FC.CMD_d4.ISLAND.*"}}'
-    assert sorted(stream_imports([*fleet, older])) == sorted([*before, added])
+    before = fleet_imports(fleet)
+    # Each shard's islands' APIs under its prefix, and its deliveries renamed.
+    assert sum('"subject": "shardapi.' in line for line in before) == 2
+    assert sum('"to": "shardin.' in line for line in before) == 2
+    assert fleet_imports([*fleet, enrolled(4)]) == before
+    api = '{"service": {"account": "DEVICES", "subject": "$JS.edge-d4.API.>"}}'
+    older = replace(enrolled(4), island_api="")
+    assert sorted(fleet_imports([*fleet, older])) == sorted([*before, api])
+    oldest = replace(older, command_consumer=ISLAND_CONSUMER)
+    control = '{"stream": {"account": "DEVICES", "subject": "$JS.FC.CMD_d4.ISLAND.*"}}'
+    assert sorted(fleet_imports([*fleet, oldest])) == sorted([*before, api, control])
     fleet[1] = replace(fleet[1], incarnations=(seen("i1"), seen("later")))
-    assert stream_imports(fleet) == before
+    assert fleet_imports(fleet) == before
     fleet[2] = replace(fleet[2], incarnations=(seen("old", via_shard=False), seen("i2")))
     legacy = '{"stream": {"account": "DEVICES", "subject": "hubin.d2.>"}}'
-    assert sorted(stream_imports(fleet)) == sorted([*before, legacy])
+    assert sorted(fleet_imports(fleet)) == sorted([*before, legacy])
 
 
 async def test_a_key_the_hub_refuses_is_an_error_naming_it(hub: Hub, tmp_path: Path) -> None:

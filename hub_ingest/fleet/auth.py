@@ -3,13 +3,14 @@
 The operators and the hub's streams are in the account ``FLEET``; the devices' leaf
 connections bind to an account of their aggregate shard (``DEVICES``, then ``DEVICES_2``,
 ``DEVICES_3``…), which has no stream. ``FLEET`` takes each shard's deliveries to the hub's
-mirrors once, renamed under the shard's prefix, and the answers to the flow control of its
-command consumers (named after the shard); from each device's shard account its island's
-API (and, enrolled before 2026-11-29, its own flow-control answers). Bound to ``FLEET``, or
-with the fleet's deliveries imported under their own names from every shard account, a link
-connecting cost a look at every other link's interest (docs/scaling.md, "Leaf accounts").
-Each device's leaf connection is held to subjects that carry its own id (docs/security.md
-has the threat model):
+mirrors once, renamed under the shard's prefix, the answers to the flow control of its
+command consumers (named after the shard), and its islands' APIs, under the shard's prefix
+too; a device enrolled before 2026-11-30 brings an import of its island's API of its own
+(and, enrolled before 2026-11-29, of its flow-control answers). Adding a device adds none.
+Bound to ``FLEET``, or with the fleet's deliveries imported under their own names from every
+shard account, a link connecting cost a look at every other link's interest
+(docs/scaling.md, "Leaf accounts"). Each device's leaf connection is held to subjects that
+carry its own id (docs/security.md has the threat model):
 
 - it may create consumers on, and direct-get from, ``CMD_<id>`` only: not ``COMMANDS``, not
   another device's ``CMD_*``, not ``FLEET_*``;
@@ -54,7 +55,7 @@ from edge_agent.protocol.names import (
 from edge_agent.protocol.release import RELEASES_BUCKET, ROLLOUT_BUCKET, desired_key
 from hub_ingest.core.config import HubConfig, ServerConfig
 from hub_ingest.core.errors import HubIngestError, HubUnreachableError
-from hub_ingest.fleet.registry import Device, Registry
+from hub_ingest.fleet.registry import Device, Registry, shard_api
 from hub_ingest.fleet.streams import shard_deliveries
 
 ACCOUNT = "FLEET"  # the hub's streams and the operators
@@ -178,9 +179,18 @@ _DEVICES_EXPORTS: tuple[dict[str, str], ...] = (
     {"stream": "hubin.>"},
     {"stream": _hub_flow_control("*", ISLAND_CONSUMER)},
 )
-# The islands' APIs, which the hub's account imports one by one, named by each domain: a
-# wildcard would overlap the hub's own API, which the devices' account imports.
+# The islands' APIs, for the devices enrolled before 2026-11-30, which the hub's account
+# imports one by one, named by each domain: a wildcard would overlap the hub's own API, which
+# the devices' account imports (nats-server refuses the cycle).
 _ISLAND_API_EXPORT = {"service": "$JS.*.API.>", "response_type": "stream"}
+
+
+def _shard_apis(shard: int) -> dict[str, str]:
+    """The islands' APIs of a shard's account, under the shard's prefix
+    (`registry.shard_api`), which the hub's account imports once; the account maps it to
+    each island's own. An import's cycle check does not follow a mapping, and nothing
+    loops: the hub's API is imported under another subject."""
+    return {f"{shard_api(shard)}.*.API.>": "$JS.{{wildcard(1)}}.API.>"}
 
 
 def _imported(exports: Iterable[dict[str, str]], account: str) -> list[dict[str, Any]]:
@@ -195,13 +205,14 @@ def _imported(exports: Iterable[dict[str, str]], account: str) -> list[dict[str,
 
 def _fleet_account(operator_key: str, devices: list[Device], shards: list[int]) -> dict[str, Any]:
     """The hub's JetStream account: the operators, the streams, and what crosses from each
-    shard's account. Each device adds its island's API; one enrolled before 2026-11-29
-    (bound to `ISLAND_CONSUMER`) one stream import more: its island's answers to its command
-    consumer's flow control, in the form the hub's nats-server uses (`js_ack_fc_v2` is off),
-    imported from its own shard's account so that a link is told of its own consumer's only
-    and no service import is told to every link at its handshake. A reload that changes an
-    account's stream imports re-examines each of its subscriptions against each of them
-    (docs/scaling.md, "Leaf accounts"): the devices enrolled since share their shard's."""
+    shard's account. A device enrolled before 2026-11-30 adds its island's API; one enrolled
+    before 2026-11-29 (bound to `ISLAND_CONSUMER`) one stream import more: its island's answers
+    to its command consumer's flow control, in the form the hub's nats-server uses
+    (`js_ack_fc_v2` is off), imported from its own shard's account so that a link is told of its
+    own consumer's only and no service import is told to every link at its handshake. A reload
+    that changes an account's stream imports re-examines each of its subscriptions against each
+    of them (docs/scaling.md, "Leaf accounts"): the devices enrolled since share their
+    shard's."""
     return {
         "jetstream": "enabled",
         "users": [{"nkey": operator_key}],
@@ -210,6 +221,7 @@ def _fleet_account(operator_key: str, devices: list[Device], shards: list[int]) 
             *(
                 {"service": {"account": devices_account(d.shard), "subject": f"{d.api_prefix}.>"}}
                 for d in devices
+                if not d.island_api
             ),
             *(
                 {
@@ -233,16 +245,17 @@ def _fleet_account(operator_key: str, devices: list[Device], shards: list[int]) 
 
 def _shard_imports(shard: int) -> list[dict[str, Any]]:
     """What the hub's account takes of every device of a shard, from the shard's account:
-    the answers of its mirrors to the islands' flow control, named by incarnation, not by
-    device (nats-server hands an answer to each shard's account, and only the one its island
-    is linked in has an interest); the islands' deliveries, renamed under the shard's
-    prefix, so that a hub mirror's subscription is shadowed in its own shard's account alone
-    and told to that shard's links only (each mirror's set-up, retried after a restart,
-    subscribes again); the islands' answers to the flow control of the shard's command
-    consumers, whose name is the shard's, so that only that shard's are shadowed in its
+    the islands' APIs, under the shard's prefix; the answers of its mirrors to the islands' flow
+    control, named by incarnation, not by device (nats-server hands an answer to each shard's
+    account, and only the one its island is linked in has an interest); the islands' deliveries,
+    renamed under the shard's prefix, so that a hub mirror's subscription is shadowed in its own
+    shard's account alone and told to that shard's links only (each mirror's set-up, retried
+    after a restart, subscribes again); the islands' answers to the flow control of the shard's
+    command consumers, whose name is the shard's, so that only that shard's are shadowed in its
     account."""
     account = devices_account(shard)
     return [
+        {"service": {"account": account, "subject": f"{shard_api(shard)}.>"}},
         *({"service": {"account": account, "subject": s}} for s in _ISLAND_FLOW_CONTROL),
         {"stream": {"account": account, "subject": _shard_flow_control(shard)}},
         {
@@ -276,12 +289,16 @@ def _devices_account(shard: int, devices: list[Device], hub_domain: str) -> dict
         ],
         "exports": [
             _ISLAND_API_EXPORT,
+            {"service": f"{shard_api(shard)}.>", "response_type": "stream"},
             *_DEVICES_EXPORTS,
             {"stream": _shard_flow_control(shard)},
         ],
-        # The hub's API under its domain, as the islands address it (nats-server maps it so
-        # for a linked account too, but only once a link is up).
-        "mappings": {f"{js_api(hub_domain)}.>": "$JS.API.>"},
+        "mappings": {
+            # The hub's API under its domain, as the islands address it (nats-server maps it
+            # so for a linked account too, but only once a link is up).
+            f"{js_api(hub_domain)}.>": "$JS.API.>",
+            **_shard_apis(shard),
+        },
         "imports": _imported(_FLEET_EXPORTS, ACCOUNT),
     }
 

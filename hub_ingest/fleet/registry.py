@@ -40,6 +40,16 @@ from hub_ingest.core.gather import gather_bounded
 
 _WRITE_ATTEMPTS = 10  # optimistic writes that lost a race are retried this often
 
+# Where the hub's account reaches a shard's islands, each under its domain, through one
+# import a shard (`auth`): ``shardapi.2.edge-pump.API`` for ``$JS.edge-pump.API`` in
+# ``DEVICES_2``.
+SHARD_APIS = "shardapi"
+
+
+def shard_api(shard: int) -> str:
+    """The prefix under which the hub's account reaches the APIs of a shard's islands."""
+    return f"{SHARD_APIS}.{shard + 1}"
+
 
 class _Raced(Exception):
     """An optimistic write found another revision than it read: another writer came first,
@@ -79,15 +89,22 @@ class Device:
     # (`new`), or `ISLAND_CONSUMER` for the devices enrolled before 2026-11-29, whose
     # islands are bound to it (docs/scaling.md, "Command consumers named by shard").
     command_consumer: str = ISLAND_CONSUMER
+    # The prefix its island's JetStream API takes in the hub's account: under its shard's
+    # (`new`), or its own ``$JS.<domain>.API`` ("") for the devices enrolled before
+    # 2026-11-30, which keep an import of their own: their hub mirrors were made with it, and
+    # a mirror's source cannot change in place.
+    island_api: str = ""
 
     @classmethod
     def new(cls, device_id: str, domain: str, shard: int, nkey: str) -> Device:
         """A device enrolled now."""
-        return cls(device_id, domain, shard, utc_now_iso(), nkey, (), island_consumer(shard))
+        api = f"{shard_api(shard)}.{domain}.API"
+        return cls(device_id, domain, shard, utc_now_iso(), nkey, (), island_consumer(shard), api)
 
     @property
     def api_prefix(self) -> str:
-        return js_api(self.domain)
+        """How the hub's account addresses its island's JetStream API."""
+        return self.island_api or js_api(self.domain)
 
     @property
     def leaf_names(self) -> tuple[str, str]:
