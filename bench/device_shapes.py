@@ -24,13 +24,18 @@ differ in what the hub holds per device:
 Per shape: steady memory, descriptors right after every stream was written, idle CPU; then
 the hub SIGKILLed with one new message on every island stream, started again, and timed
 until the aggregates hold every one (`resume`), and then until a broadcast sent is on
-every island (`command`).
+every island (`command`). With ``--callout`` each shape is measured again with its devices
+admitted by an auth callout (`bench.fleetscale.callout`) instead of users in the hub's
+config, which then names no device: adding one needs no reload, and every link made after
+a restart waits for the callout's answer.
 
     .venv/bin/python bench/device_shapes.py --devices 100
+    .venv/bin/python bench/device_shapes.py --devices 500 --shapes current --callout
 
 Last line: ``devices=… <shape>_<figure>=…`` for each shape, then each figure of the other
 shapes over ``current``'s in the same run (``<shape>_cpu_ratio=…``, ``…_rss_ratio``,
-``…_fds_ratio``, ``…_resume_ratio``).
+``…_fds_ratio``, ``…_resume_ratio``), and of a shape admitted by the callout over the same
+shape's (``current_callout_resume_ratio=…``).
 """
 
 from __future__ import annotations
@@ -60,7 +65,9 @@ from nats.js.api import (
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
 
 from bench.fleetscale.bare import hub_client, start_island, stream_messages
+from bench.fleetscale.callout import Callout
 from bench.fleetscale.common import BenchError, proc_cpu_s, proc_fds, proc_rss_mib
+from bench.fleetscale.plainhub import hub_config
 from edge_agent.protocol.monitor import Monitor
 from edge_agent.protocol.natsserver import ServerProcess
 from edge_agent.protocol.reconcile import mirror_consumer
@@ -71,91 +78,13 @@ SHAPES = ("current", "direct", "filtered", "lean", "single", "mirrored")
 UPLINK = ("T", "E")  # the island streams the hub collects
 PER_AGGREGATE = 100  # sources of one aggregate shard: the product's default
 HUB_API = "$JS.hub.API"
+CALLOUT = "_callout"  # a shape measured again, its devices admitted by an auth callout
 MONITOR_TIMEOUT = 20.0
 WINDOW = 1000  # deliveries in flight on a bound consumer
 ISLAND_LIMITS = "max_file_store: 64MB, max_memory_store: 8MB"
 # With --pin: the hub on the first CPU, the islands on the others, so that neither waits for
 # the other's turn (the islands at niceness 19 still take what the hub leaves when unpinned).
 ISLAND_CPUS = set(range(1, os.cpu_count() or 2)) or {0}
-
-# The product's split of accounts, for these names: the hub's account imports each island's
-# API and the flow control of the islands' consumers; the devices' imports the hub's API and
-# the deliveries to the islands' command mirrors. No import of one direction overlaps one of
-# the other. With --per-account the devices are split over accounts of that many (`Dk`),
-# each island's consumer named after its account (`HUBk`) so that flow control, a service,
-# is imported from the one account it comes from.
-FLEET_ACCOUNT = """
-  FLEET: {
-    jetstream: enabled
-    users: [ {user: op, password: op} ]
-    exports: [
-      {service: "$JS.API.>", response_type: stream}
-      {stream: "devin.>"}
-    ]
-    imports: [ IMPORTS ]
-  }
-"""
-DEVICE_ACCOUNT = """
-  NAME: {
-    users: [ USERS ]
-    mappings: { "$JS.hub.API.>": "$JS.API.>" }
-    exports: [
-      {service: "$JS.*.API.>", response_type: stream}
-      {service: "$JS.FC.T.HUBK.>"}
-      {service: "$JS.FC.E.HUBK.>"}
-      {service: "$JS.FC.*.*.T.HUBK.>"}
-      {service: "$JS.FC.*.*.E.HUBK.>"}
-      {stream: "hubin.>"}
-      {stream: "$JS.FC.*.ISLAND.*"}
-      {stream: "$JS.FC.*.*.*.ISLAND.*"}
-      {stream: "$JS.FC.COMMANDS.>"}
-      {stream: "$JS.FC.*.*.COMMANDS.>"}
-    ]
-    imports: [
-      {service: {account: FLEET, subject: "$JS.API.>"}}
-      {stream: {account: FLEET, subject: "devin.>"}}
-    ]
-  }
-"""
-FROM_DEVICES = (
-    '{service: {account: NAME, subject: "$JS.FC.T.HUBK.>"}}',
-    '{service: {account: NAME, subject: "$JS.FC.E.HUBK.>"}}',
-    '{service: {account: NAME, subject: "$JS.FC.*.*.T.HUBK.>"}}',
-    '{service: {account: NAME, subject: "$JS.FC.*.*.E.HUBK.>"}}',
-    '{stream: {account: NAME, subject: "hubin.>"}}',
-    '{stream: {account: NAME, subject: "$JS.FC.*.ISLAND.*"}}',
-    '{stream: {account: NAME, subject: "$JS.FC.*.*.*.ISLAND.*"}}',
-    '{stream: {account: NAME, subject: "$JS.FC.COMMANDS.>"}}',
-    '{stream: {account: NAME, subject: "$JS.FC.*.*.COMMANDS.>"}}',
-)
-
-
-def _accounts(n: int, per_account: int) -> str:
-    imports, blocks = [], [FLEET_ACCOUNT]
-    for k in range((n + per_account - 1) // per_account):
-        members = range(k * per_account, min((k + 1) * per_account, n))
-        users = ", ".join(json.dumps({"user": f"d{i}", "password": f"d{i}"}) for i in members)
-        name = f"D{k}"
-        block = DEVICE_ACCOUNT.replace("NAME", name).replace("USERS", users)
-        blocks.append(block.replace("HUBK", f"HUB{k}"))
-        imports += [i.replace("NAME", name).replace("HUBK", f"HUB{k}") for i in FROM_DEVICES]
-        imports += [f'{{service: {{account: {name}, subject: "$JS.d{i}.API.>"}}}}' for i in members]
-    return "".join(blocks).replace("IMPORTS", "\n      ".join(imports))
-
-
-def _hub_config(n: int, per_account: int, ports: dict[str, int], store: Path) -> str:
-    accounts = _accounts(n, per_account)
-    return f"""server_name: hub
-listen: "127.0.0.1:{ports["client"]}"
-http: "127.0.0.1:{ports["monitor"]}"
-jetstream {{ domain: hub, store_dir: {json.dumps(str(store))} }}
-accounts {{ {accounts} }}
-leafnodes {{
-  listen: "127.0.0.1:{ports["leaf"]}"
-  compression: off
-  isolate_leafnode_interest: true
-}}
-"""
 
 
 def _bound_consumer(name: str, deliver: str, filters: list[str] | None = None) -> ConsumerConfig:
@@ -185,7 +114,9 @@ class Result:
 
 
 class Fleet:
-    def __init__(self, root: Path, shape: str, n: int, args: argparse.Namespace) -> None:
+    def __init__(
+        self, root: Path, shape: str, n: int, args: argparse.Namespace, callout: bool
+    ) -> None:
         self.root, self.shape, self.n = root, shape, n
         self.timeout, self.per_aggregate, self.pin = args.timeout, args.per_aggregate, args.pin
         self.per_account = args.per_account or n
@@ -194,8 +125,9 @@ class Fleet:
         self.own_commands = shape in ("current", "direct")  # a CMD<i> stream per device
         self.uplink = UPLINK[:1] if shape in ("single", "mirrored") else UPLINK
         self.ports = {"client": free_port(), "monitor": free_port(), "leaf": free_port()}
+        self.callout = Callout(self.device_account) if callout else None
         conf = root / "hub.conf"
-        conf.write_text(_hub_config(n, self.per_account, self.ports, root / "hub"))
+        conf.write_text(hub_config(n, self.per_account, self.ports, root / "hub", self.callout))
         monitor = f"http://127.0.0.1:{self.ports['monitor']}"
         self.hub = ServerProcess(conf, monitor, env=SERVER_ENV)
         # A hub busy with a fleet's links answers /jsz in seconds: a 2 s wait would miss
@@ -208,8 +140,13 @@ class Fleet:
     def island_consumer(self, i: int) -> str:
         return f"HUB{i // self.per_account}"
 
+    def device_account(self, i: int) -> str | None:
+        return f"D{i // self.per_account}" if i < self.n else None
+
     async def start_hub(self) -> None:
         await self.hub.start()
+        if self.callout is not None:
+            await self.callout.start(self.ports["client"])
         if self.pin:
             assert self.hub.proc is not None
             os.sched_setaffinity(self.hub.proc.pid, {0})
@@ -306,6 +243,9 @@ class Fleet:
         return time.monotonic() - start
 
     async def close(self) -> None:
+        if self.callout is not None:
+            print(f"{self.shape}: callout: {self.callout}", flush=True)
+            await self.callout.close()
         for nc in self.islands.values():
             await nc.close()
         for server in [self.hub, *self.servers]:
@@ -317,9 +257,12 @@ async def count_objects(fleet: Fleet, result: Result) -> None:
     result.streams, result.consumers = int(jsz["streams"]), int(jsz["consumers"])
 
 
-async def measure(root: Path, shape: str, n: int, args: argparse.Namespace) -> Result:
-    (root / shape).mkdir()
-    fleet = Fleet(root / shape, shape, n, args)
+async def measure(
+    root: Path, shape: str, n: int, args: argparse.Namespace, callout: bool = False
+) -> Result:
+    name = f"{shape}{CALLOUT}" if callout else shape
+    (root / name).mkdir()
+    fleet = Fleet(root / name, shape, n, args, callout)
     result = Result()
     try:
         await fleet.start_hub()
@@ -378,9 +321,10 @@ def last_line(n: int, results: dict[str, Result]) -> str:
             f"{shape}_streams_per_device={r.streams / n:.2f}",
             f"{shape}_resume_s={r.resume_s:.1f}",
         ]
-    base = results.get("current")
     for shape, r in results.items():
-        if base is not None and shape != "current":
+        # A shape admitted by the callout against the same shape with users, else `current`.
+        base = results.get(shape.removesuffix(CALLOUT) if shape.endswith(CALLOUT) else "current")
+        if base is not None and base is not r:
             figures += [
                 f"{shape}_cpu_ratio={r.idle_cpu_pct / base.idle_cpu_pct:.2f}",
                 f"{shape}_rss_ratio={r.rss_mib / base.rss_mib:.2f}",
@@ -406,6 +350,11 @@ async def main() -> None:
         help="devices in one leaf account (default: all in one, as the product has them)",
     )
     parser.add_argument(
+        "--callout",
+        action="store_true",
+        help="each shape again with its devices admitted by an auth callout instead of users",
+    )
+    parser.add_argument(
         "--pin", action="store_true", help="the hub on CPU 0, the islands on the other CPUs"
     )
     parser.add_argument("--keep", type=Path, help="an empty directory to keep the servers' logs in")
@@ -418,6 +367,10 @@ async def main() -> None:
         root = args.keep or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="shapes-")))
         for shape in shapes:
             results[shape] = await measure(root, shape, args.devices, args)
+            if args.callout:
+                results[f"{shape}{CALLOUT}"] = await measure(
+                    root, shape, args.devices, args, callout=True
+                )
     print(json.dumps({s: asdict(r) for s, r in results.items()}), file=sys.stderr)
     print(last_line(args.devices, results))
 
