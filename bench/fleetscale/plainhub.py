@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench.fleetscale.callout import Callout, hub_authorization
+from bench.fleetscale.callout import CALLOUT_USER, Callout, hub_authorization
 
 # The product's split of accounts, for these names: the hub's account imports each island's
 # API and the flow control of the islands' consumers; the devices' imports the hub's API and
@@ -17,7 +17,7 @@ from bench.fleetscale.callout import Callout, hub_authorization
 FLEET_ACCOUNT = """
   FLEET: {
     jetstream: enabled
-    users: [ {user: op, password: op}, {user: auth, password: auth} ]
+    users: [ {user: op, password: op}, {user: CALLOUT, password: CALLOUT} ]
     exports: [
       {service: "$JS.API.>", response_type: stream}
       {stream: "devin.>"}
@@ -60,12 +60,16 @@ FROM_DEVICES = (
 )
 
 
+def _user(name: str) -> str:
+    return json.dumps({"user": name, "password": name})
+
+
 def _accounts(n: int, per_account: int, callout: bool) -> str:
-    imports, blocks = [], [FLEET_ACCOUNT]
+    imports, blocks = [], [FLEET_ACCOUNT.replace("CALLOUT", CALLOUT_USER)]
     for k in range((n + per_account - 1) // per_account):
         members = range(k * per_account, min((k + 1) * per_account, n))
-        users = ", ".join(json.dumps({"user": f"d{i}", "password": f"d{i}"}) for i in members)
-        users = "" if callout else users  # the callout binds each device to its account
+        # With the callout no device is a user: it binds each to its account.
+        users = "" if callout else ", ".join(_user(f"d{i}") for i in members)
         name = f"D{k}"
         block = DEVICE_ACCOUNT.replace("NAME", name).replace("USERS", users)
         blocks.append(block.replace("HUBK", f"HUB{k}"))
