@@ -55,7 +55,7 @@ from edge_agent.protocol.names import (
 from edge_agent.protocol.release import RELEASES_BUCKET, ROLLOUT_BUCKET, desired_key
 from hub_ingest.core.config import HubConfig, ServerConfig
 from hub_ingest.core.errors import HubIngestError, HubUnreachableError
-from hub_ingest.fleet.registry import Device, Registry, shard_api
+from hub_ingest.fleet.registry import Device, Registry, shard_api, shard_island_api
 from hub_ingest.fleet.streams import shard_deliveries
 
 ACCOUNT = "FLEET"  # the hub's streams and the operators
@@ -190,7 +190,7 @@ def _shard_apis(shard: int) -> dict[str, str]:
     (`registry.shard_api`), which the hub's account imports once; the account maps it to
     each island's own. An import's cycle check does not follow a mapping, and nothing
     loops: the hub's API is imported under another subject."""
-    return {f"{shard_api(shard)}.*.API.>": "$JS.{{wildcard(1)}}.API.>"}
+    return {f"{shard_island_api(shard, '*')}.>": f"{js_api('{{wildcard(1)}}')}.>"}
 
 
 def _imported(exports: Iterable[dict[str, str]], account: str) -> list[dict[str, Any]]:

@@ -51,6 +51,11 @@ def shard_api(shard: int) -> str:
     return f"{SHARD_APIS}.{shard + 1}"
 
 
+def shard_island_api(shard: int, domain: str) -> str:
+    """The JetStream API of the island of `domain`, as the hub's account reaches it."""
+    return f"{shard_api(shard)}.{domain}.API"
+
+
 class _Raced(Exception):
     """An optimistic write found another revision than it read: another writer came first,
     or the read came from a replica that had not caught up yet (a cluster's direct gets are
@@ -98,7 +103,7 @@ class Device:
     @classmethod
     def new(cls, device_id: str, domain: str, shard: int, nkey: str) -> Device:
         """A device enrolled now."""
-        api = f"{shard_api(shard)}.{domain}.API"
+        api = shard_island_api(shard, domain)
         return cls(device_id, domain, shard, utc_now_iso(), nkey, (), island_consumer(shard), api)
 
     @property
