@@ -36,6 +36,9 @@ commands in the history (ratio large over small; 1.0: the cost does not grow wit
     .venv/bin/python bench/fleet_scale.py [--sizes 25,50,100,200] [--modes single,cluster]
     .venv/bin/python bench/fleet_scale.py --sizes 5 --compare 5 --large 200    # quick
 
+With ``--admission callout`` (single node only) the hub admits its devices by auth callout
+(`hub_ingest.fleet.admission`), answered from this process: ``add`` then reloads nothing.
+
 Prints one line per (mode, size), the cluster-over-single ratio of each metric at each size,
 the fitted cost per device (least-squares slope over the sizes) per mode, and last:
 ``devices=N enrol_s_per_device=… hub_rss_mb_per_device=… restart_resume_s=… report_s=…``
@@ -64,6 +67,7 @@ from bench.fleetscale.common import CLUSTER_NODES, kill_spawned
 from bench.fleetscale.measure import run, stderr_to
 from bench.fleetscale.table import summarise
 from edge_agent.protocol.logs import configure_logging
+from hub_ingest.core.config import ADMISSIONS
 
 
 def main() -> int:
@@ -77,6 +81,13 @@ def main() -> int:
         "--leaf-compression",
         default="accept",
         help="the hub's server.leaf_compression (default: the product's, accept)",
+    )
+    parser.add_argument(
+        "--admission",
+        default="users_file",
+        choices=ADMISSIONS,
+        help="the single hub's server.admission (callout: the bench answers, as its watcher "
+        "would; default: the product's, users_file)",
     )
     parser.add_argument(
         "--compressed",
@@ -119,6 +130,8 @@ def main() -> int:
         parser.error("--sizes: positive and ascending, like 25,50,100,200")
     if not set(args.modes) <= {"single", *CLUSTER_NODES}:
         parser.error(f"--modes: any of single, {', '.join(CLUSTER_NODES)}")
+    if args.admission == "callout" and args.modes != ["single"]:
+        parser.error("--admission callout: with --modes single only (the bench answers one hub)")
     configure_logging("warning")
     root = Path(tempfile.mkdtemp(prefix="bench-fleet-scale-"))
     try:

@@ -24,7 +24,7 @@ from edge_agent.protocol.natsserver import ServerProcess
 from hub_ingest.commands.send import command_status
 from hub_ingest.fleet.registry import Registry
 from hub_ingest.report.collect import collect_report
-from tests.support.cluster import Device, Hub, free_port, stream_messages
+from tests.support.cluster import Device, Hub, free_port, start_hub, stream_messages
 from tests.support.commands import send_command
 from tests.support.waiting import RESUME_TIMEOUT, eventually
 
@@ -35,6 +35,17 @@ REFUSED = (
     TimeoutError,
     ServiceUnavailableError,
 )
+
+
+@pytest.fixture(params=["users_file", "callout"])
+async def hub(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Hub]:
+    """Each test twice: the devices users of the hub's users file, and admitted by its auth
+    callout (`hub_ingest.fleet.admission`), which must grant exactly as much."""
+    hub = await start_hub(tmp_path, admission=request.param)
+    try:
+        yield hub
+    finally:
+        await hub.close()
 
 
 @pytest.fixture

@@ -29,7 +29,6 @@ from hub_ingest.fleet.auth import (
     ensure_operator_key,
     new_seed,
     public_key,
-    reload_server,
     render_auth,
     sync_users,
     write_secret,
@@ -39,6 +38,7 @@ from hub_ingest.fleet.enrol import enrol, retire
 from hub_ingest.fleet.provision import provision
 from hub_ingest.fleet.registry import Device as Enrolled
 from hub_ingest.fleet.registry import Incarnation, Registry, shard_api
+from hub_ingest.fleet.reload import reload_server
 from hub_ingest.fleet.requests import island_stream
 from hub_ingest.fleet.streams import stream_names
 from hub_ingest.local.fleet import write_hub_toml

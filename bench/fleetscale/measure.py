@@ -31,6 +31,7 @@ from bench.fleetscale.fleet import Fleet
 from bench.fleetscale.table import line
 from edge_agent.protocol.errors import MonitorUnavailable
 from hub_ingest.commands.send import command_status, new_envelope, send
+from hub_ingest.fleet.admission import Admission
 from hub_ingest.fleet.enrol import Enrolment, enrol, enrol_many
 from hub_ingest.fleet.registry import Registry
 from hub_ingest.local.fleet import start_local_hub
@@ -88,7 +89,10 @@ async def start_fleet(mode: str, root: Path, args: argparse.Namespace) -> Fleet:
                 )
             else:
                 hub = await start_hub(
-                    root / f"try{attempt}", watching=False, leaf_compression=compression
+                    root / f"try{attempt}",
+                    watching=False,
+                    leaf_compression=compression,
+                    admission=args.admission,
                 )
             break
         except MonitorUnavailable:
@@ -98,6 +102,8 @@ async def start_fleet(mode: str, root: Path, args: argparse.Namespace) -> Fleet:
     # A hub with hundreds of streams (and, on R3, Raft groups) on a busy machine may answer
     # an API request after the client's default 5 s: the bench measures, it does not give up.
     hub.js = hub.nc.jetstream(domain=hub.config.nats.domain, timeout=API_TIMEOUT)
+    if hub.config.server.admission == "callout":
+        await Admission(hub.js, hub.config).serve(hub.nc)  # as its `hub-ingest watch` would
     fleet = Fleet(mode, root, hub, (args.reconnect, args.reconnect_spread), args.compressed)
     track(*fleet.nodes)
     try:

@@ -24,6 +24,7 @@ from hub_ingest.core.ddl import DdlError, check_ddl
 from hub_ingest.core.errors import ConfigError
 
 DEFAULT_CONFIG_PATH = Path("/etc/hub-ingest/hub.toml")
+ADMISSIONS = ("users_file", "callout")  # how devices are let in: hub_ingest.fleet.admission
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +78,7 @@ class ServerConfig:
     auth_file: Path  # users and permissions, rendered from the registry on every device change
     pid_file: Path  # signalled to reload auth_file when it changes
     leaf_tls: LeafTlsConfig | None = None  # None: a plaintext leaf listener (NKeys only)
+    admission: str = "users_file"  # or "callout": see hub_ingest.fleet.admission
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,6 +195,12 @@ def _boolean(value: object) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"expected true or false, got {value!r}")
     return value
+
+
+def _admission(value: object) -> str:
+    if value not in ADMISSIONS:
+        raise ValueError(f"expected one of {', '.join(ADMISSIONS)}, got {value!r}")
+    return str(value)
 
 
 def _positive_duration(value: object) -> float:
@@ -316,6 +324,7 @@ def _server(srv: Section, state_dir: Path, home: Path) -> ServerConfig:
         auth_file=srv.get("auth_file", path, state_dir / "auth.conf"),
         pid_file=srv.get("pid_file", path, home / "nats-server.pid"),
         leaf_tls=_leaf_tls(srv.table("leaf_tls")) if srv.has("leaf_tls") else None,
+        admission=srv.get("admission", _admission, "users_file"),
     )
     srv.finish()
     return server

@@ -26,22 +26,18 @@ The hub stores public keys only; a device's seed is written once, mode 0600, for
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import re
-import signal
-import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import nkeys
 from nats.js import JetStreamContext
 
-from edge_agent.protocol.errors import MonitorUnavailable
 from edge_agent.protocol.files import write_durably
-from edge_agent.protocol.monitor import Monitor
 from edge_agent.protocol.names import (
     ISLAND_CONSUMER,
     OUTBOUND,
@@ -53,9 +49,9 @@ from edge_agent.protocol.names import (
     to_hub_prefix,
 )
 from edge_agent.protocol.release import RELEASES_BUCKET, ROLLOUT_BUCKET, desired_key
-from hub_ingest.core.config import HubConfig, ServerConfig
-from hub_ingest.core.errors import HubIngestError, HubUnreachableError
+from hub_ingest.core.config import HubConfig
 from hub_ingest.fleet.registry import Device, Registry, shard_api, shard_island_api
+from hub_ingest.fleet.reload import reload_server
 from hub_ingest.fleet.streams import shard_deliveries
 
 ACCOUNT = "FLEET"  # the hub's streams and the operators
@@ -303,16 +299,23 @@ def _devices_account(shard: int, devices: list[Device], hub_domain: str) -> dict
     }
 
 
-def render_auth(operator_key: str, devices: Iterable[Device], hub_domain: str) -> str:
+def render_auth(
+    operator_key: str, devices: Iterable[Device], hub_domain: str, *, callout: bool = False
+) -> str:
+    """The users file. With `callout` (`hub_ingest.fleet.admission`) it names no device, and
+    makes the account of the shard after the last, so that enrolling a device changes it only
+    when a shard fills up."""
     listed = list(devices)
     # The first shard's account always, so that a hub with no device yet has the account its
     # first one links to.
     shards = sorted({0, *(d.shard for d in listed)})
+    if callout:
+        shards.append(shards[-1] + 1)
     accounts = {
         ACCOUNT: _fleet_account(operator_key, listed, shards),
         **{
             devices_account(shard): _devices_account(
-                shard, [d for d in listed if d.shard == shard], hub_domain
+                shard, [d for d in listed if d.shard == shard and not callout], hub_domain
             )
             for shard in shards
         },
@@ -340,17 +343,27 @@ def _account_block(name: str, body: dict[str, Any]) -> str:
     return "\n".join([*lines, "  }"])
 
 
-def write_auth(config: HubConfig, devices: Iterable[Device]) -> bool:
-    """Write the users file for `devices`; True if it names an account the file it replaced
-    did not (`reload_server` is then asked to read it twice)."""
+@dataclass(frozen=True, slots=True)
+class Written:
+    changed: bool  # the users file differs from the one it replaced (or there was none)
+    new_accounts: bool  # it names an account the one it replaced did not
+
+
+def write_auth(config: HubConfig, devices: Iterable[Device]) -> Written:
+    """Write the users file for `devices`, unless it already says the same."""
     path = config.server.auth_file
     try:
-        before: set[str] | None = _account_names(path.read_text(encoding="utf-8"))
+        before: str | None = path.read_text(encoding="utf-8").rstrip("\n")
     except FileNotFoundError:
         before = None  # the server has not read one yet
-    text = render_auth(ensure_operator_key(config), devices, config.nats.domain)
-    write_secret(path, text.rstrip("\n"))
-    return before is not None and bool(_account_names(text) - before)
+    callout = config.server.admission == "callout"
+    text = render_auth(ensure_operator_key(config), devices, config.nats.domain, callout=callout)
+    text = text.rstrip("\n")
+    if text == before:
+        return Written(changed=False, new_accounts=False)
+    write_secret(path, text)
+    new = before is not None and bool(_account_names(text) - _account_names(before))
+    return Written(changed=True, new_accounts=new)
 
 
 def _account_names(users_file: str) -> set[str]:
@@ -358,81 +371,18 @@ def _account_names(users_file: str) -> set[str]:
     return set(re.findall(r"^  (\S+): \{$", users_file, flags=re.MULTILINE))
 
 
+async def apply_users(config: HubConfig, devices: Iterable[Device]) -> bool:
+    """Write the users file for `devices` and reload the hub's local servers if it changed;
+    False if it changed and no server was there to reload (see `reload_server`)."""
+    written = write_auth(config, devices)
+    if not written.changed:
+        return True
+    return await reload_server(config, new_accounts=written.new_accounts)
+
+
 async def sync_users(js: JetStreamContext, config: HubConfig) -> bool:
     """Rewrite the users file from the registry and reload if it differs; True if it did."""
-    devices = await (await Registry.open(js)).list()
-    text = render_auth(ensure_operator_key(config), devices, config.nats.domain)
-    try:
-        current = config.server.auth_file.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        current = None
-    if current is not None and current.rstrip("\n") == text.rstrip("\n"):
-        return False
-    await reload_server(config, new_accounts=write_auth(config, devices))
-    return True
-
-
-# How often a reload's end is looked for: every 5 ms for its first second, then every 100 ms.
-# One takes 14 ms on an idle hub of 100 devices (79 at 500) and a device's enrolment waits for
-# it (a 50 ms poll was most of its 70 ms at 100); one under load can take seconds, and `/varz`
-# is not free for a busy hub.
-_RELOAD_POLL_FAST_S = 0.005
-_RELOAD_POLL_SLOW_S = 0.1
-_RELOAD_FAST_FOR_S = 1.0
-
-
-async def reload_server(
-    config: HubConfig, timeout: float = 30.0, *, new_accounts: bool = False
-) -> bool:
-    """Ask each hub server running on this machine (its pid file is here) to re-read its
-    config; False if none does. The other nodes of a cluster re-read theirs when their own
-    ``hub-ingest watch`` sees the registry change.
-
-    A leaf account a reload creates is set up only in part until the next one (nats-server
-    2.15: the first device of a new shard linked there and its readings crossed, but its
-    island's requests to the hub went unanswered), so with `new_accounts` it is read twice."""
-    if new_accounts:
-        await reload_server(config, timeout)
-    if config.cluster is None:
-        return await _reload(config.server, "server.monitor_listen", timeout)
-    reloaded = [
-        await _reload(n.server, f"cluster.nodes[{n.name}].monitor_listen", timeout)
-        for n in config.cluster.nodes
-    ]
-    return any(reloaded)
-
-
-async def _reload(server: ServerConfig, key: str, timeout: float) -> bool:
-    """A reload under load can take well over 10 s (nats-server issue #4630; CI saw one miss a
-    10 s deadline), hence the generous `timeout`."""
-    try:
-        pid = int(server.pid_file.read_text().strip())
-    except (OSError, ValueError):
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False  # a node that is down reads the file when it starts
-    monitor = Monitor(f"http://{server.monitor_listen}")
-    try:
-        before = (await monitor.get("/varz")).get("config_load_time")
-        try:
-            os.kill(pid, signal.SIGHUP)
-        except ProcessLookupError:
-            return False
-        start = time.monotonic()
-        deadline = start + timeout
-        while (await monitor.get("/varz")).get("config_load_time") == before:
-            if time.monotonic() > deadline:
-                raise HubIngestError(
-                    f"hub nats-server {server.server_name} (pid {pid}) did not reload "
-                    f"within {timeout}s"
-                )
-            fast = time.monotonic() - start < _RELOAD_FAST_FOR_S
-            await asyncio.sleep(_RELOAD_POLL_FAST_S if fast else _RELOAD_POLL_SLOW_S)
-    except MonitorUnavailable as exc:
-        raise HubUnreachableError(
-            f"cannot reload the hub's nats-server {server.server_name} (pid {pid}): its "
-            f"monitoring endpoint {key} = {server.monitor_listen} does not answer ({exc})"
-        ) from None
-    return True
+    written = write_auth(config, await (await Registry.open(js)).list())
+    if written.changed:
+        await reload_server(config, new_accounts=written.new_accounts)
+    return written.changed

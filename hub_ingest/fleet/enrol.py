@@ -32,10 +32,17 @@ from edge_agent.protocol.tomlconf import identifier
 from hub_ingest.core import failpoints
 from hub_ingest.core.config import HubConfig
 from hub_ingest.core.errors import EnrolmentError, RegistryError
-from hub_ingest.fleet.auth import new_seed, public_key, reload_server, write_auth, write_secret
+from hub_ingest.fleet.auth import (
+    apply_users,
+    new_seed,
+    public_key,
+    write_auth,
+    write_secret,
+)
 from hub_ingest.fleet.clashes import check_names
 from hub_ingest.fleet.provision import provision
 from hub_ingest.fleet.registry import Device, Registry, assign_shards
+from hub_ingest.fleet.reload import reload_server
 
 log = structlog.get_logger(__name__)
 
@@ -47,7 +54,9 @@ _HEADER = ("id", "public_key")  # an optional CSV header line
 class Change:
     device: Device
     seed_file: Path | None  # where the new device's seed was written, if the hub made one
-    reloaded: bool  # False: no local hub server to signal; reload it by other means
+    # False: the users file changed and no local hub server was there to signal; reload it
+    # by other means. True too when it did not change (a device admitted by the callout).
+    reloaded: bool
     streams: list[Reconciled]
 
 
@@ -250,9 +259,9 @@ async def enrol_many(
     log.info("enrolment_planned", new=len(plan.new), present=len(plan.present))
     enrolled = await _register(registry, config, plan, existing, on_progress)
     devices = [*existing, *(e.device for e in enrolled)]
-    new_accounts = write_auth(config, devices)
+    written = write_auth(config, devices)
     on_progress(Progress("auth_written", len(devices), len(devices)))
-    reloaded = await reload_server(config, new_accounts=new_accounts)
+    reloaded = not written.changed or await reload_server(config, new_accounts=written.new_accounts)
     on_progress(Progress("reloaded", int(reloaded), 1))
     new_ids = {e.device.device_id for e in enrolled}
     changed = await provision(js, config, devices, adopt=adopt, only=new_ids) if streams else []
@@ -303,7 +312,7 @@ async def retire(js: JetStreamContext, config: HubConfig, device_id: str) -> Cha
     registry = await Registry.open(js)
     device = await registry.remove(device_id)
     devices = await registry.list()
-    reloaded = await reload_server(config, new_accounts=write_auth(config, devices))
+    reloaded = await apply_users(config, devices)
     streams = await provision(js, config, devices)
     log.info("device_retired", device_id=device_id, reloaded=reloaded)
     return Change(device, None, reloaded, streams)

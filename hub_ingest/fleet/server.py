@@ -12,7 +12,8 @@ from pathlib import Path
 
 from edge_agent.protocol.tomlconf import render_sync
 from hub_ingest.core.config import ClusterConfig, HubConfig, LeafTlsConfig, NodeConfig
-from hub_ingest.fleet.auth import SYSTEM_ACCOUNT
+from hub_ingest.fleet.admission import issuer_key
+from hub_ingest.fleet.auth import ACCOUNT, SYSTEM_ACCOUNT, ensure_operator_key
 
 # The hub's nats-server runs with the Go runtime's GOGC at 25 (stock: 100): it collects when
 # the heap has grown by a quarter instead of doubled. Measured at 50 devices: 0.97 MiB of RSS
@@ -35,7 +36,7 @@ listen: {json.dumps(srv.listen)}
 http: {json.dumps(srv.monitor_listen)}
 pid_file: {json.dumps(str(srv.pid_file))}
 include {json.dumps(include)}
-
+{_callout_block(config)}
 jetstream {{
   domain: {json.dumps(config.nats.domain)}
   store_dir: {json.dumps(str(srv.store_dir))}
@@ -55,6 +56,22 @@ leafnodes {{
   isolate_leafnode_interest: true
 {_leaf_tls_block(srv.leaf_tls)}}}
 {_cluster_block(config)}"""
+
+
+def _callout_block(config: HubConfig) -> str:
+    """With ``server.admission = "callout"``: every connection but the operators' is asked
+    about (`hub_ingest.fleet.admission`). nats-server reads this block at start only."""
+    if config.server.admission != "callout":
+        return ""
+    return f"""
+authorization {{
+  auth_callout {{
+    issuer: {issuer_key(config)}
+    account: {ACCOUNT}
+    auth_users: [{ensure_operator_key(config)}]
+  }}
+}}
+"""
 
 
 def _leaf_tls_block(tls: LeafTlsConfig | None) -> str:

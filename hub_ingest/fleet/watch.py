@@ -12,7 +12,8 @@ and the new one collects the new incarnation from sequence 1.
 yet, records it, with its *command fence*, and provisions its mirror and sources. `watch`
 (``hub-ingest watch``, a hub service) calls `observe` for every device whose leaf link came
 up, as seen on ``/leafz``, and for every linked device now and then. It also advances a
-running rollout (`hub_ingest.fleet.rollout`).
+running rollout (`hub_ingest.fleet.rollout`), and answers the hub's questions about who may
+connect when devices are admitted by callout (`hub_ingest.fleet.admission`).
 
 The command fence is the last ``CMD_<id>`` sequence when the hub first saw a device's second or
 later incarnation (0 for its first): a re-imaged agent answers the commands up to it
@@ -41,6 +42,7 @@ from edge_agent.protocol.pack import PACK_SUBJECT
 from edge_agent.protocol.units import utc_now_iso
 from hub_ingest.core.config import HubConfig
 from hub_ingest.fleet import rollout
+from hub_ingest.fleet.admission import Admission
 from hub_ingest.fleet.auth import ACCOUNT
 from hub_ingest.fleet.provision import mirror_targets, provision
 from hub_ingest.fleet.refill import Refiller
@@ -233,11 +235,17 @@ async def watch(
     async def advance_rollout() -> None:
         await rollout.advance(js, config)
 
+    # The devices' admission first: under the callout no device links without it.
+    admission = None
+    if config.server.admission == "callout":
+        admission = await Admission(js, config).serve(nc)
     log.info("incarnation_watch_started")
     async with asyncio.TaskGroup() as tasks:
         tasks.create_task(_repeat("incarnation_watch", observe_links, interval, stop))
         tasks.create_task(_repeat("gap_watch", heal_gaps, interval, stop))
         tasks.create_task(_repeat("rollout_watch", advance_rollout, ROLLOUT_S, stop))
+    if admission is not None:
+        await admission.unsubscribe()
 
 
 async def _repeat(

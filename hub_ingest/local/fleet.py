@@ -98,10 +98,11 @@ def loopback_hub_config(
     *,
     leaf_compression: str = "accept",
     leaf_tls: dict[str, Any] | None = None,
+    admission: str = "users_file",
     **aggregates: Any,
 ) -> HubConfig:
     """A hub under ``root/hub`` listening on free loopback ports (`leaf_tls`: the
-    ``[server.leaf_tls]`` table)."""
+    ``[server.leaf_tls]`` table; `admission`: ``server.admission``)."""
     client = f"127.0.0.1:{free_port()}"
     return parse_hub_config(
         {
@@ -116,6 +117,7 @@ def loopback_hub_config(
                 "leaf_listen": f"127.0.0.1:{free_port()}",
                 "leaf_compression": leaf_compression,
                 "max_file_store": "1GiB",
+                "admission": admission,
                 **({"leaf_tls": leaf_tls} if leaf_tls else {}),
             },
         }
@@ -141,6 +143,7 @@ store_dir = {json.dumps(str(srv.store_dir))}
 max_file_store = {srv.max_file_store}
 max_memory_store = {srv.max_memory_store}
 sync = {json.dumps(format_sync(srv.sync))}
+admission = {json.dumps(srv.admission)}
 [commands]
 max_bytes = {config.commands.max_bytes}
 max_age = {config.commands.max_age}
@@ -187,11 +190,16 @@ async def start_local_hub(
     *,
     leaf_compression: str = "accept",
     leaf_tls: dict[str, Any] | None = None,
+    admission: str = "users_file",
     **aggregates: Any,
 ) -> LocalHub:
     """Render, start and provision a hub under ``root/hub`` (see `loopback_hub_config`)."""
     config = loopback_hub_config(
-        root, leaf_compression=leaf_compression, leaf_tls=leaf_tls, **aggregates
+        root,
+        leaf_compression=leaf_compression,
+        leaf_tls=leaf_tls,
+        admission=admission,
+        **aggregates,
     )
     conf = config.server.config_file
     write_auth(config, [])

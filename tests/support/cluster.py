@@ -283,10 +283,15 @@ async def start_hub(
     watching: bool = True,
     leaf_compression: str = "accept",
     leaf_tls: dict[str, Any] | None = None,
+    admission: str = "users_file",
     **aggregates: Any,
 ) -> Hub:
     local = await start_local_hub(
-        root, leaf_compression=leaf_compression, leaf_tls=leaf_tls, **aggregates
+        root,
+        leaf_compression=leaf_compression,
+        leaf_tls=leaf_tls,
+        admission=admission,
+        **aggregates,
     )
     hub = Hub(local.config, local.server, local.nc, local.js, root)
     if watching:

@@ -1,0 +1,188 @@
+"""Devices admitted by nats-server's auth callout (``server.admission = "callout"``).
+
+With the default (``"users_file"``) each device is a user of the hub's users file, and
+enrolling one rewrites the file and reloads the server: at 500 devices the reload is most of
+an enrolment's 0.3 s (docs/scaling.md). With the callout the users file names no device: the
+hub's nats-server asks ``$SYS.REQ.USER.AUTH`` about every connection whose key is not an
+operator's, leaf connections included, and `Admission` (run by ``hub-ingest watch`` on every
+node, in one queue group) answers from the registry. Enrolling a device into a shard that
+exists changes no file and reloads nothing; the users file makes each shard's account one
+shard ahead, so the first device of a shard needs no reload either.
+
+A device is admitted when its key is registered and it signed the server's nonce with it; it is
+bound to its shard's account with the permissions the users file would give it
+(`auth.device_permissions`). The answers are JWTs signed by an account key derived from the
+operators' seed, so every node that holds that seed answers alike and no new secret is made.
+Without a running watcher no device links: the operators' own connections never ask.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import hmac
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import nacl.exceptions
+import nacl.signing
+import nkeys
+import structlog
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.js import JetStreamContext
+
+from hub_ingest.core.config import HubConfig
+from hub_ingest.core.errors import RegistryError
+from hub_ingest.fleet.auth import device_permissions, devices_account, ensure_operator_key
+from hub_ingest.fleet.registry import Device, Registry
+
+log = structlog.get_logger(__name__)
+
+AUTH_SUBJECT = "$SYS.REQ.USER.AUTH"
+QUEUE = "hub-admission"  # every node's watcher answers; each request once
+_HEADER = {"typ": "JWT", "alg": "ed25519-nkey"}
+_ISSUER_CONTEXT = b"hub-ingest admission issuer v1"
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+
+def _unb64(text: str) -> bytes:
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+def issuer(config: HubConfig) -> nkeys.KeyPair:
+    """The account key the answers are signed with, derived from the operators' seed."""
+    ensure_operator_key(config)
+    operator = config.nats.credentials.read_text(encoding="utf-8").strip().encode()
+    raw = hmac.new(operator, _ISSUER_CONTEXT, hashlib.sha256).digest()
+    return nkeys.from_seed(bytearray(nkeys.encode_seed(raw, nkeys.PREFIX_BYTE_ACCOUNT)))
+
+
+def issuer_key(config: HubConfig) -> str:
+    """The issuer's public key, which the server config names (`server.render_server_config`)."""
+    key: bytes = issuer(config).public_key
+    return key.decode()
+
+
+def sign(keys: nkeys.KeyPair, claims: dict[str, Any]) -> str:
+    """A nats JWT (v2, ``ed25519-nkey``) of `claims`, issued by `keys`."""
+    claims = {"iat": int(time.time()), "iss": keys.public_key.decode(), **claims}
+    # The JWT library names a claim set by its hash; nats-server does not check it.
+    claims["jti"] = _b64(hashlib.sha256(json.dumps(claims).encode()).digest())
+    head = f"{_b64(json.dumps(_HEADER).encode())}.{_b64(json.dumps(claims).encode())}"
+    return f"{head}.{_b64(keys.sign(head.encode()))}"
+
+
+def claims_of(token: str) -> dict[str, Any]:
+    """A JWT's claims, unchecked: the server's own request, over its own connection."""
+    claims: dict[str, Any] = json.loads(_unb64(token.split(".")[1]))
+    return claims
+
+
+def signed_nonce(user_key: str, nonce: str, signature: str) -> bool:
+    """Whether `signature` (base64url) is `user_key`'s signature of the server's `nonce`."""
+    try:
+        raw = base64.b32decode(user_key + "=" * (-len(user_key) % 8))
+        nacl.signing.VerifyKey(raw[1:33]).verify(nonce.encode(), _unb64(signature))
+    except (binascii.Error, ValueError, nacl.exceptions.CryptoError):
+        return False
+    return True
+
+
+def user_claims(device: Device, user_key: str, hub_domain: str) -> dict[str, Any]:
+    """The user JWT's claims for `device`: its shard's account and its permissions."""
+    perms = device_permissions(device, hub_domain)
+    return {
+        "sub": user_key,
+        "name": device.device_id,
+        "aud": devices_account(device.shard),
+        "nats": {
+            "type": "user",
+            "version": 2,
+            "pub": {"allow": perms["publish"]["allow"]},
+            "sub": {"allow": perms["subscribe"]["allow"]},
+            # The users file's `allow_responses: true`: 0 takes nats-server's defaults.
+            "resp": {"max": 0, "ttl": 0},
+            "subs": -1,
+            "data": -1,
+            "payload": -1,
+        },
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    device: Device | None  # None: refused
+    reason: str
+
+
+class Admission:
+    """Answers the hub's authorization requests from the registry; counts what it refused."""
+
+    def __init__(self, js: JetStreamContext, config: HubConfig) -> None:
+        self._js, self._config = js, config
+        self._issuer = issuer(config)
+        self._registry: Registry | None = None
+        self._by_key: dict[str, str] = {}  # device key -> device id, as last listed
+        self.admitted = self.refused = 0
+
+    async def serve(self, nc: Client) -> Subscription:
+        """Answer on `nc` until it closes; the subscription outlives reconnects."""
+        return await nc.subscribe(AUTH_SUBJECT, queue=QUEUE, cb=self._answer)
+
+    async def decide(self, request: dict[str, Any]) -> Verdict:
+        """Whether the connection `request` describes is a registered device's."""
+        opts = request.get("connect_opts") or {}
+        key, sig = str(opts.get("nkey", "")), str(opts.get("sig", ""))
+        nonce = str((request.get("client_info") or {}).get("nonce", ""))
+        if not key:
+            return Verdict(None, "no device key")
+        if not (nonce and sig and signed_nonce(key, nonce, sig)):
+            return Verdict(None, f"key {key} did not sign the nonce")
+        device = await self._device(key)
+        if device is None:
+            return Verdict(None, f"key {key} is not registered")
+        return Verdict(device, "registered")
+
+    async def _device(self, key: str) -> Device | None:
+        """The registered device with `key`, read afresh (one retired since is refused)."""
+        if self._registry is None:
+            self._registry = await Registry.open(self._js)
+        registry = self._registry
+        if key not in self._by_key:  # enrolled since the last listing, or a stranger
+            self._by_key = {d.nkey: d.device_id for d in await registry.list()}
+        device_id = self._by_key.get(key)
+        if device_id is None:
+            return None
+        try:
+            device = await registry.get(device_id)
+        except RegistryError:
+            return None
+        return device if device.nkey == key else None
+
+    async def _answer(self, msg: Msg) -> None:
+        request = claims_of(msg.data.decode())["nats"]
+        user_key, server = request["user_nkey"], request["server_id"]["id"]
+        try:
+            verdict = await self.decide(request)
+        except Exception as exc:  # the registry unreadable: refuse now, the device retries
+            verdict = Verdict(None, f"registry unreadable: {exc!r}")
+        response: dict[str, Any] = {"type": "authorization_response", "version": 2}
+        if verdict.device is not None:
+            claims = user_claims(verdict.device, user_key, self._config.nats.domain)
+            response["jwt"] = sign(self._issuer, claims)
+            self.admitted += 1
+            log.debug("device_admitted", device_id=verdict.device.device_id)
+        else:
+            response["error"] = f"not admitted: {verdict.reason}"
+            self.refused += 1
+            log.warning("connection_refused", reason=verdict.reason, refused=self.refused)
+        answer = sign(self._issuer, {"sub": user_key, "aud": server, "nats": response})
+        await msg.respond(answer.encode())

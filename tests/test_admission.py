@@ -1,0 +1,123 @@
+"""Devices admitted by the hub's auth callout (``server.admission = "callout"``): enrolment
+without a reload, and nobody let in the users file would have kept out."""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import nats.errors
+import nkeys
+import pytest
+from nats.aio.client import Client
+
+from edge_agent.island.server import read_seed
+from hub_ingest.fleet.admission import Admission, claims_of, issuer_key, sign
+from hub_ingest.fleet.auth import new_seed, public_key, render_auth, write_auth
+from hub_ingest.fleet.enrol import retire
+from hub_ingest.fleet.registry import Device
+from hub_ingest.local.fleet import loopback_hub_config
+from tests.support.cluster import Hub, hub_has_reading, start_hub, stream_has
+from tests.support.waiting import RESUME_TIMEOUT, eventually
+
+RELOADED = "Reloaded server configuration"
+
+
+@pytest.fixture
+async def callout_hub(tmp_path: Path) -> AsyncIterator[Hub]:
+    hub = await start_hub(tmp_path, admission="callout")
+    try:
+        yield hub
+    finally:
+        await hub.close()
+
+
+def _reloads(hub: Hub) -> int:
+    return hub.server.log_path.read_text(errors="replace").count(RELOADED)
+
+
+async def _connects(hub: Hub, seed: str) -> bool:
+    """Whether a client signing in with `seed` is let in (the callout asks for clients too)."""
+    nc = Client()
+    try:
+        await nc.connect(hub.url, nkeys_seed_str=seed, allow_reconnect=False, connect_timeout=5)
+    except nats.errors.Error as exc:
+        assert "authorization violation" in str(exc).lower(), exc
+        return False
+    finally:
+        await nc.close()  # refused too: nats-py leaves the socket of a refused connection open
+    return True
+
+
+async def test_a_device_links_without_a_reload_and_a_stranger_or_a_retired_one_does_not(
+    callout_hub: Hub,
+) -> None:
+    hub = callout_hub
+    server_conf = hub.config.server.config_file.read_text()
+    assert f"issuer: {issuer_key(hub.config)}" in server_conf
+    await hub.device("a")  # the first device: its shard's account exists already
+    before = _reloads(hub)
+
+    b = await hub.device("b")
+
+    assert _reloads(hub) == before
+    await b.js.publish("tele.admitted", b"1")
+    await hub.js.publish("cmd.b.admitted", b"{}")
+    await eventually(
+        lambda: hub_has_reading(hub.js, "b", "tele.admitted"),
+        timeout=RESUME_TIMEOUT,
+        what="b's reading at the hub",
+    )
+    await eventually(
+        lambda: stream_has(b.js, "COMMANDS", "cmd.b.admitted"),
+        timeout=RESUME_TIMEOUT,
+        what="b's command on its island",
+    )
+    assert not await _connects(hub, new_seed())
+    b_seed = read_seed(hub.seed_file("b"))
+    assert await _connects(hub, b_seed)
+
+    await retire(hub.js, hub.config, "b")
+
+    assert not await _connects(hub, b_seed)
+
+
+async def test_a_registered_key_is_refused_unless_it_signed_this_nonce(callout_hub: Hub) -> None:
+    await callout_hub.register("a")
+    keys = nkeys.from_seed(bytearray(read_seed(callout_hub.seed_file("a")).encode()))
+    admission = Admission(callout_hub.js, callout_hub.config)
+
+    def request(nonce: str, signed: str, key: str = keys.public_key.decode()) -> dict[str, Any]:
+        sig = base64.urlsafe_b64encode(keys.sign(signed.encode())).rstrip(b"=").decode()
+        return {"connect_opts": {"nkey": key, "sig": sig}, "client_info": {"nonce": nonce}}
+
+    admitted = await admission.decide(request("n0nce", "n0nce"))
+    assert admitted.device is not None and admitted.device.device_id == "a"
+    replayed = await admission.decide(request("fresh", "n0nce"))
+    assert replayed.device is None and "did not sign" in replayed.reason
+    borrowed = await admission.decide(request("n0nce", "n0nce", public_key(new_seed())))
+    assert borrowed.device is None and "did not sign" in borrowed.reason
+    assert (await admission.decide({"connect_opts": {"user": "a"}})).device is None
+
+
+def test_the_users_file_changes_only_when_a_shard_fills(tmp_path: Path) -> None:
+    """Under the callout it names no device, and the account of the shard after the last."""
+    config = loopback_hub_config(tmp_path, admission="callout", max_sources_per_stream=2)
+    devices = [Device.new(f"d{i}", f"edge-d{i}", i // 2, public_key(new_seed())) for i in range(3)]
+    assert write_auth(config, devices[:1]).changed
+    assert not write_auth(config, devices[:2]).changed  # the first shard's second device
+    text = config.server.auth_file.read_text()
+    assert not any(d.nkey in text for d in devices)
+    assert "  DEVICES_2: {" in text and "  DEVICES_3: {" not in text
+    assert write_auth(config, devices).new_accounts  # the second shard opened the third's
+    assert "  DEVICES_2: {" not in render_auth(public_key(new_seed()), devices[:2], "hub")
+
+
+def test_an_answer_is_a_jwt_the_issuer_signed() -> None:
+    keys = nkeys.from_seed(bytearray(nkeys.encode_seed(bytes(32), nkeys.PREFIX_BYTE_ACCOUNT)))
+    token = sign(keys, {"sub": "U", "nats": {"type": "user"}})
+    head, body, sig = token.split(".")
+    assert claims_of(token)["iss"] == keys.public_key.decode()
+    assert keys.verify(f"{head}.{body}".encode(), base64.urlsafe_b64decode(sig + "=="))
