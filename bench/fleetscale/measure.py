@@ -31,7 +31,6 @@ from bench.fleetscale.fleet import Fleet
 from bench.fleetscale.table import line
 from edge_agent.protocol.errors import MonitorUnavailable
 from hub_ingest.commands.send import command_status, new_envelope, send
-from hub_ingest.fleet.admission import Admission
 from hub_ingest.fleet.enrol import Enrolment, enrol, enrol_many
 from hub_ingest.fleet.registry import Registry
 from hub_ingest.local.fleet import start_local_hub
@@ -103,7 +102,7 @@ async def start_fleet(mode: str, root: Path, args: argparse.Namespace) -> Fleet:
     # an API request after the client's default 5 s: the bench measures, it does not give up.
     hub.js = hub.nc.jetstream(domain=hub.config.nats.domain, timeout=API_TIMEOUT)
     if hub.config.server.admission == "callout":
-        await Admission(hub.js, hub.config).serve(hub.nc)  # as its `hub-ingest watch` would
+        hub.start_admission()
     fleet = Fleet(mode, root, hub, (args.reconnect, args.reconnect_spread), args.compressed)
     track(*fleet.nodes)
     try:

@@ -18,8 +18,10 @@ Without a running watcher no device links: the operators' own connections never 
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
+import contextlib
 import hashlib
 import hmac
 import json
@@ -33,11 +35,9 @@ import nkeys
 import structlog
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 
 from hub_ingest.core.config import HubConfig
-from hub_ingest.core.errors import RegistryError
 from hub_ingest.fleet.auth import device_permissions, devices_account, ensure_operator_key
 from hub_ingest.fleet.registry import Device, Registry
 
@@ -47,6 +47,10 @@ AUTH_SUBJECT = "$SYS.REQ.USER.AUTH"
 QUEUE = "hub-admission"  # every node's watcher answers; each request once
 _HEADER = {"typ": "JWT", "alg": "ed25519-nkey"}
 _ISSUER_CONTEXT = b"hub-ingest admission issuer v1"
+# How stale the registry the answers come from may be: a device enrolled is let in, and one
+# removed refused, from at most this long after (its link retries meanwhile).
+REFRESH_S = 1.0
+UNKNOWN_REFRESH_S = 0.1  # an unknown key is looked for afresh if the last read is older
 
 
 def _b64(data: bytes) -> str:
@@ -121,23 +125,50 @@ def user_claims(device: Device, user_key: str, hub_domain: str) -> dict[str, Any
 class Verdict:
     device: Device | None  # None: refused
     reason: str
+    unknown: bool = False  # a key the registry did not have when last read
 
 
 class Admission:
-    """Answers the hub's authorization requests from the registry; counts what it refused."""
+    """Answers the hub's authorization requests from the registry as last read (every
+    `REFRESH_S`): an answer waits for nothing, so a restart's storm of 500 handshakes is
+    answered in a second, hub busy or not (one registry read per answer was not: its
+    answers came after nats-server had given up, and the devices asked again)."""
 
     def __init__(self, js: JetStreamContext, config: HubConfig) -> None:
         self._js, self._config = js, config
         self._issuer = issuer(config)
         self._registry: Registry | None = None
-        self._by_key: dict[str, str] = {}  # device key -> device id, as last listed
+        self._by_key: dict[str, Device] = {}
+        self._read_at = -REFRESH_S  # when the last read of the registry began (monotonic)
         self.admitted = self.refused = 0
 
-    async def serve(self, nc: Client) -> Subscription:
-        """Answer on `nc` until it closes; the subscription outlives reconnects."""
-        return await nc.subscribe(AUTH_SUBJECT, queue=QUEUE, cb=self._answer)
+    async def refresh(self) -> None:
+        """Read the registry again (what was written since the last read)."""
+        if self._registry is None:
+            self._registry = await Registry.open(self._js)
+        self._read_at = time.monotonic()
+        self._by_key = {d.nkey: d for d in await self._registry.list()}
 
-    async def decide(self, request: dict[str, Any]) -> Verdict:
+    async def run(self, nc: Client, stop: asyncio.Event) -> None:
+        """Answer on `nc` until `stop`; the subscription outlives reconnects."""
+        failing = ""  # the last refresh's error, logged once
+        sub = await nc.subscribe(AUTH_SUBJECT, queue=QUEUE, cb=self._answer)
+        log.info("admission_started", subject=AUTH_SUBJECT, queue=QUEUE)
+        try:
+            while not stop.is_set():
+                try:
+                    await self.refresh()
+                    failing = ""
+                except Exception as exc:  # the hub restarting: answer from what was read
+                    if repr(exc) != failing:
+                        log.warning("admission_refresh_failed", error=repr(exc))
+                    failing = repr(exc)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), REFRESH_S)
+        finally:
+            await sub.unsubscribe()
+
+    def decide(self, request: dict[str, Any]) -> Verdict:
         """Whether the connection `request` describes is a registered device's."""
         opts = request.get("connect_opts") or {}
         key, sig = str(opts.get("nkey", "")), str(opts.get("sig", ""))
@@ -146,34 +177,21 @@ class Admission:
             return Verdict(None, "no device key")
         if not (nonce and sig and signed_nonce(key, nonce, sig)):
             return Verdict(None, f"key {key} did not sign the nonce")
-        device = await self._device(key)
+        device = self._by_key.get(key)
         if device is None:
-            return Verdict(None, f"key {key} is not registered")
+            return Verdict(None, f"key {key} is not registered", unknown=True)
         return Verdict(device, "registered")
-
-    async def _device(self, key: str) -> Device | None:
-        """The registered device with `key`, read afresh (one retired since is refused)."""
-        if self._registry is None:
-            self._registry = await Registry.open(self._js)
-        registry = self._registry
-        if key not in self._by_key:  # enrolled since the last listing, or a stranger
-            self._by_key = {d.nkey: d.device_id for d in await registry.list()}
-        device_id = self._by_key.get(key)
-        if device_id is None:
-            return None
-        try:
-            device = await registry.get(device_id)
-        except RegistryError:
-            return None
-        return device if device.nkey == key else None
 
     async def _answer(self, msg: Msg) -> None:
         request = claims_of(msg.data.decode())["nats"]
         user_key, server = request["user_nkey"], request["server_id"]["id"]
-        try:
-            verdict = await self.decide(request)
-        except Exception as exc:  # the registry unreadable: refuse now, the device retries
-            verdict = Verdict(None, f"registry unreadable: {exc!r}")
+        verdict = self.decide(request)
+        if verdict.unknown and time.monotonic() - self._read_at > UNKNOWN_REFRESH_S:
+            # Most likely a device enrolled since: read again now rather than refuse its
+            # first link (a stranger's key costs a read this often at most).
+            with contextlib.suppress(Exception):
+                await self.refresh()
+            verdict = self.decide(request)
         response: dict[str, Any] = {"type": "authorization_response", "version": 2}
         if verdict.device is not None:
             claims = user_claims(verdict.device, user_key, self._config.nats.domain)

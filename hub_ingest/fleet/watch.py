@@ -235,17 +235,13 @@ async def watch(
     async def advance_rollout() -> None:
         await rollout.advance(js, config)
 
-    # The devices' admission first: under the callout no device links without it.
-    admission = None
-    if config.server.admission == "callout":
-        admission = await Admission(js, config).serve(nc)
     log.info("incarnation_watch_started")
     async with asyncio.TaskGroup() as tasks:
+        if config.server.admission == "callout":  # no device links without it
+            tasks.create_task(Admission(js, config).run(nc, stop))
         tasks.create_task(_repeat("incarnation_watch", observe_links, interval, stop))
         tasks.create_task(_repeat("gap_watch", heal_gaps, interval, stop))
         tasks.create_task(_repeat("rollout_watch", advance_rollout, ROLLOUT_S, stop))
-    if admission is not None:
-        await admission.unsubscribe()
 
 
 async def _repeat(

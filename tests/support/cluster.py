@@ -33,6 +33,7 @@ from edge_agent.protocol.natsserver import resolve_nats_server
 from edge_agent.protocol.pack import PACK_HEADER, PACK_SUBJECT, Reading, decode
 from edge_agent.protocol.tomlconf import format_sync
 from hub_ingest.core.connect import close_quietly
+from hub_ingest.fleet.admission import Admission
 from hub_ingest.fleet.enrol import enrol
 from hub_ingest.fleet.provision import provision, provision_commands
 from hub_ingest.fleet.registry import Registry
@@ -72,6 +73,13 @@ class Hub(LocalHub):
         self.watcher = asyncio.create_task(
             watch(self.js, self.nc, self.config, monitor, self.stop_watch, interval=0.2)
         )
+
+    def start_admission(self) -> None:
+        """Answer the hub's auth callout as the watcher does, without the rest of its loop
+        (`bench/fleet_scale.py` attaches its devices itself, and times it)."""
+        admission = Admission(self.js, self.config)
+        self.stop_watch.clear()
+        self.watcher = asyncio.create_task(admission.run(self.nc, self.stop_watch))
 
     async def stop_watching(self) -> None:
         self.stop_watch.set()
