@@ -91,6 +91,22 @@ async def test_a_rolling_restart_of_every_hub_node_loses_nothing(
     assert outcome.faults["rolling_restart"] == 1, outcome.summary()
 
 
+@pytest.mark.timeout(600)
+async def test_devices_admitted_by_callout_move_to_the_other_nodes_and_lose_nothing(
+    tmp_path: Path,
+) -> None:
+    """Under the auth callout (`hub_ingest.fleet.admission`) the node every link leads to is
+    SIGKILLed for 10 s: each device is let in again by another node, asked of the watchers
+    (one a node, in one queue group) while theirs reconnect too."""
+    hub = await start_cluster_hub(tmp_path / "callout", admission="callout")
+    try:
+        outcome = await _run(hub, tmp_path, [Action(4.0, "node_kill", "hub-1", 10.0)])
+    finally:
+        await hub.close()
+    outcome.assert_exact()
+    assert outcome.faults["node_kill"] == 1, outcome.summary()
+
+
 async def _has_stream(hub: ClusterHub, name: str) -> bool:
     return name in await stream_names(hub.js)
 

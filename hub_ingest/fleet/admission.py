@@ -158,6 +158,8 @@ class Admission:
             while not stop.is_set():
                 try:
                     await self.refresh()
+                    if failing:
+                        log.info("admission_refresh_recovered")
                     failing = ""
                 except Exception as exc:  # the hub restarting: answer from what was read
                     if repr(exc) != failing:

@@ -53,7 +53,12 @@ def loopback_cluster_nodes(count: int = len(NODES)) -> list[dict[str, str]]:
 
 
 def loopback_cluster_config(
-    root: Path, *, replicas: int = 3, leaf_compression: str = "accept", count: int = len(NODES)
+    root: Path,
+    *,
+    replicas: int = 3,
+    leaf_compression: str = "accept",
+    count: int = len(NODES),
+    admission: str = "users_file",
 ) -> HubConfig:
     nodes = loopback_cluster_nodes(count)
     return parse_hub_config(
@@ -62,7 +67,11 @@ def loopback_cluster_config(
             "nats": {"servers": [f"nats://{n['listen']}" for n in nodes]},
             "commands": {"max_bytes": "64MiB"},
             "ingest": {"archive": str(root / "archive"), "checkpoint": str(root / "checkpoint")},
-            "server": {"max_file_store": "1GiB", "leaf_compression": leaf_compression},
+            "server": {
+                "max_file_store": "1GiB",
+                "leaf_compression": leaf_compression,
+                "admission": admission,
+            },
             "cluster": {"replicas": replicas, "nodes": nodes},
         }
     )
@@ -156,9 +165,10 @@ async def start_cluster_hub(
     watching: bool = True,
     leaf_compression: str = "accept",
     count: int = len(NODES),
+    admission: str = "users_file",
 ) -> ClusterHub:
     config = loopback_cluster_config(
-        root, replicas=replicas, leaf_compression=leaf_compression, count=count
+        root, replicas=replicas, leaf_compression=leaf_compression, count=count, admission=admission
     )
     write_auth(config, [])
     nodes = {}
