@@ -9,7 +9,24 @@ from __future__ import annotations
 from pathlib import Path
 
 from bench.slow_link import LTE, SHAPES, drain
+from edge_agent.commands import resume
+from edge_agent.island.pace import ROUND_S
 from hub_ingest.local.link import Shape
+
+
+def behind_one_window(shape: Shape) -> float:
+    """The longest a command sent while `shape`'s link drains a paced backlog may wait to
+    start. It rides the island's command mirror once that is live (0.2 s), but nats-server
+    resumes a mirror 10-40 s after its link returns, and until then fast resume reads it from
+    the hub: a request that queues behind one window of the backlog, which the island keeps
+    to about `ROUND_S` of the link and halves only past twice that
+    (`edge_agent.island.pace`), then the answer's way back and fast resume's poll. On a
+    loaded machine the mirror is the later to resume: CI saw 2.3 s, and runs beside two busy
+    cores and a writer that syncs 2.5-2.6 s, each by fast resume (idle: 0.22 s, by the
+    mirror). Beside two busy cores alone, three times the machine, it took 3.1-5.4 s: the
+    agent's requests to the hub give up after 2 s (`edge_agent.app`), less than a window
+    may keep one queued, and fast resume asks again behind the next."""
+    return 2 * ROUND_S + shape.rtt + resume.POLL_S
 
 
 async def test_backlog_crosses_a_lossy_cut_link_once_and_commands_overtake_it(
@@ -47,7 +64,8 @@ async def test_a_packed_backlog_leaves_a_poor_link_room_for_the_devices_requests
     started after 4-22 s); paced packs (`edge_agent.island.pace`) keep a round near 2 s."""
     run = await drain(tmp_path, 2400, SHAPES["rural"], "off", packed=True)
     assert (run.at_hub, run.lost, run.duplicated) == (2400, 0, 0)
-    assert 0 <= run.command_start_s < 2, f"the command waited {run.command_start_s:.1f}s"
+    waited = f"the command waited {run.command_start_s:.1f}s"
+    assert 0 <= run.command_start_s < behind_one_window(SHAPES["rural"]), waited
 
 
 async def test_a_backlog_leaves_a_poor_link_room_for_a_command_sent_while_it_was_cut(
@@ -60,4 +78,5 @@ async def test_a_backlog_leaves_a_poor_link_room_for_a_command_sent_while_it_was
     run = await drain(tmp_path, 1200, SHAPES["rural"], "off")
     assert (run.at_hub, run.lost, run.duplicated) == (1200, 0, 0)
     assert 0 <= run.offline_command_s < 5, f"the command waited {run.offline_command_s:.1f}s"
-    assert 0 <= run.command_start_s < 2, f"the command waited {run.command_start_s:.1f}s"
+    waited = f"the command waited {run.command_start_s:.1f}s"
+    assert 0 <= run.command_start_s < behind_one_window(SHAPES["rural"]), waited

@@ -39,6 +39,7 @@ log = structlog.get_logger(__name__)
 # A mirror that heard from the hub this recently is live (it gets heartbeats every second).
 MIRROR_LIVE_S = 2.0
 ORIGIN_CHECK_S = 30.0  # between checks that the origin was not replaced, while linked
+POLL_S = 0.25  # between two reads of the origin that found nothing new
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +61,7 @@ class FastResume:
         link: LinkTracker,
         executor: Executor,
         *,
-        poll_interval: float = 0.25,
+        poll_interval: float = POLL_S,
         settle: float = 3.0,
     ) -> None:
         self._config = config
