@@ -6,15 +6,12 @@ service answers with a user JWT naming the account to bind to, signed by the iss
 key the server was told of. A device admitted here links at once; no users file changes.
 
 Bench-only: the devices' credentials are ``d<i>:d<i>`` as in `bench.fleetscale.bare`, and
-the user JWT carries no permissions. The product would verify the device's nkey signature of
-the server's nonce and carry its permissions (`hub_ingest.fleet.auth.device_permissions`).
+the user JWT carries no permissions. The product's (`hub_ingest.fleet.admission`) checks the
+device's NKey signature of the server's nonce and carries its permissions.
 """
 
 from __future__ import annotations
 
-import base64
-import hashlib
-import json
 import os
 import time
 from collections.abc import Callable
@@ -24,21 +21,13 @@ import nkeys
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-AUTH_SUBJECT = "$SYS.REQ.USER.AUTH"
+from hub_ingest.fleet.admission import AUTH_SUBJECT, claims_of, sign
+
 CALLOUT_USER = "auth"  # the service's own user, in the hub's account, outside the callout
-_HEADER = {"typ": "JWT", "alg": "ed25519-nkey"}
-
-
-def _b64(data: bytes) -> str:
-    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
-
-
-def _unb64(text: str) -> bytes:
-    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
 
 
 class Issuer:
-    """An account key pair that signs the callout's answers (nats JWT v2, ``ed25519-nkey``)."""
+    """An account key pair that signs the callout's answers (`hub_ingest.fleet.admission.sign`)."""
 
     def __init__(self) -> None:
         seed = nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_ACCOUNT)
@@ -46,17 +35,7 @@ class Issuer:
         self.public_key: str = self._keys.public_key.decode()
 
     def sign(self, claims: dict[str, object]) -> str:
-        claims = {"iat": int(time.time()), "iss": self.public_key, **claims}
-        # The JWT library names a claim set by its hash; nats-server does not check it.
-        claims["jti"] = _b64(hashlib.sha256(json.dumps(claims).encode()).digest())
-        head = f"{_b64(json.dumps(_HEADER).encode())}.{_b64(json.dumps(claims).encode())}"
-        return f"{head}.{_b64(self._keys.sign(head.encode()))}"
-
-
-def decode(token: str) -> dict[str, object]:
-    """A JWT's claims (the server's own request: its signature is not checked here)."""
-    claims: dict[str, object] = json.loads(_unb64(token.split(".")[1]))
-    return claims
+        return sign(self._keys, claims)
 
 
 async def _quiet(_: Exception) -> None:
@@ -102,7 +81,7 @@ class Callout:
 
     async def _answer(self, msg: Msg) -> None:
         start = time.monotonic()
-        request = decode(msg.data.decode())["nats"]
+        request = claims_of(msg.data.decode())["nats"]
         assert isinstance(request, dict)
         user_key, server = request["user_nkey"], request["server_id"]["id"]
         opts = request.get("connect_opts") or {}
