@@ -57,9 +57,9 @@ async def test_a_device_links_without_a_reload_and_a_stranger_or_a_retired_one_d
     hub = callout_hub
     server_conf = hub.config.server.config_file.read_text()
     assert f"issuer: {issuer_key(hub.config)}" in server_conf
-    await hub.device("a")  # the first device: its shard's account exists already
     before = _reloads(hub)
 
+    await hub.device("a")  # the hub's first: its shard's account was made with the hub's
     b = await hub.device("b")
 
     assert _reloads(hub) == before
