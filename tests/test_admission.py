@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -14,10 +15,12 @@ import pytest
 from nats.aio.client import Client
 
 from edge_agent.island.server import read_seed
+from hub_ingest.core.errors import ConfigError
 from hub_ingest.fleet.admission import REFRESH_S, Admission, claims_of, issuer_key, sign
 from hub_ingest.fleet.auth import new_seed, public_key, render_auth, write_auth
 from hub_ingest.fleet.enrol import retire
 from hub_ingest.fleet.registry import Device
+from hub_ingest.fleet.server import render_server_config
 from hub_ingest.local.fleet import loopback_hub_config
 from tests.support.cluster import Hub, hub_has_reading, start_hub, stream_has
 from tests.support.waiting import RESUME_TIMEOUT, eventually
@@ -118,6 +121,28 @@ def test_the_users_file_changes_only_when_a_shard_fills(tmp_path: Path) -> None:
     assert "  DEVICES_2: {" in text and "  DEVICES_3: {" not in text
     assert write_auth(config, devices).new_accounts  # the second shard opened the third's
     assert "  DEVICES_2: {" not in render_auth(public_key(new_seed()), devices[:2], "hub")
+
+
+def test_a_users_file_the_server_would_read_without_the_callout_keeps_its_devices(
+    tmp_path: Path,
+) -> None:
+    """A hub switched to the callout in hub.toml whose server config was not rendered again:
+    a users file without the devices would lock them out at their next link. Refused, naming
+    the file, and the users file stays as it was until the config asks the callout."""
+    plain = loopback_hub_config(tmp_path)
+    callout = replace(plain, server=replace(plain.server, admission="callout"))
+    devices = [Device.new("d0", "edge-d0", 0, public_key(new_seed()))]
+    write_auth(plain, devices)
+    plain.server.config_file.write_text(render_server_config(plain))
+    before = plain.server.auth_file.read_text()
+
+    with pytest.raises(ConfigError, match=str(plain.server.config_file)):
+        write_auth(callout, devices)
+
+    assert plain.server.auth_file.read_text() == before
+    callout.server.config_file.write_text(render_server_config(callout))
+    assert write_auth(callout, devices).changed
+    assert devices[0].nkey not in callout.server.auth_file.read_text()
 
 
 def test_an_answer_is_a_jwt_the_issuer_signed() -> None:

@@ -50,6 +50,7 @@ from edge_agent.protocol.names import (
 )
 from edge_agent.protocol.release import RELEASES_BUCKET, ROLLOUT_BUCKET, desired_key
 from hub_ingest.core.config import HubConfig
+from hub_ingest.core.errors import ConfigError
 from hub_ingest.fleet.registry import Device, Registry, shard_api, shard_island_api
 from hub_ingest.fleet.reload import reload_server
 from hub_ingest.fleet.streams import shard_deliveries
@@ -356,7 +357,10 @@ def write_auth(config: HubConfig, devices: Iterable[Device]) -> Written:
         before: str | None = path.read_text(encoding="utf-8").rstrip("\n")
     except FileNotFoundError:
         before = None  # the server has not read one yet
+    devices = list(devices)
     callout = config.server.admission == "callout"
+    if devices:
+        check_admission(config)
     text = render_auth(ensure_operator_key(config), devices, config.nats.domain, callout=callout)
     text = text.rstrip("\n")
     if text == before:
@@ -364,6 +368,26 @@ def write_auth(config: HubConfig, devices: Iterable[Device]) -> Written:
     write_secret(path, text)
     new = before is not None and bool(_account_names(text) - _account_names(before))
     return Written(changed=True, new_accounts=new)
+
+
+def check_admission(config: HubConfig) -> None:
+    """Under the callout the users file names no device: read by a server whose config does
+    not ask the callout (`server.admission` changed, `render-nats-config` not run), it would
+    lock every device out at its next link. Refused while a server config here lacks it."""
+    if config.server.admission != "callout":
+        return
+    nodes = [config.server] if config.cluster is None else [n.server for n in config.cluster.nodes]
+    for server in nodes:
+        try:
+            rendered = server.config_file.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            continue  # a node rendered on another machine
+        if "auth_callout" not in rendered:
+            raise ConfigError(
+                f'server.admission = "callout" but {server.config_file} does not ask the '
+                "callout: run `hub-ingest render-nats-config` and restart the hub's nats-server "
+                "first (a users file without the devices would lock them out); nothing changed"
+            )
 
 
 def _account_names(users_file: str) -> set[str]:

@@ -34,6 +34,7 @@ from hub_ingest.core.config import HubConfig
 from hub_ingest.core.errors import EnrolmentError, RegistryError
 from hub_ingest.fleet.auth import (
     apply_users,
+    check_admission,
     new_seed,
     public_key,
     write_auth,
@@ -250,6 +251,7 @@ async def enrol_many(
     for later). Nothing changes if any device cannot be enrolled as asked, nor if a stream of
     another owner is in the way (`adopt`: see `provision`). A device already registered is
     refused with `refuse_present`, else left as it is (same key, or no key asked for)."""
+    check_admission(config)
     # Only the names these devices would take: a pass over every stream is `provision`'s.
     await check_names(js, [command_stream(e.device_id) for e in wanted], adopt=adopt)
     registry = await Registry.open(js)
@@ -309,6 +311,7 @@ async def enrol(
 
 async def retire(js: JetStreamContext, config: HubConfig, device_id: str) -> Change:
     """Remove `device_id`: its key stops working and its streams stop being mirrored."""
+    check_admission(config)
     registry = await Registry.open(js)
     device = await registry.remove(device_id)
     devices = await registry.list()
