@@ -115,15 +115,18 @@ def stream_error(what: str, exc: APIError) -> StreamError:
     return StreamError(problem)
 
 
-@retry(
-    # On a busy cluster a stream made a moment ago (by another provisioner) has no leader
-    # yet, and its info request times out or gets no responders (seen on a 3-node hub under
-    # load); each step below is idempotent, so the whole is simply asked again, a few times.
+# On a busy cluster a stream made a moment ago (by another provisioner, or by the step
+# before) has no leader yet, and a request about it times out or gets no responders (seen on a
+# 3-node hub under load): an idempotent step is simply asked again, a few times.
+settling = retry(
     retry=retry_if_exception_type((NatsTimeoutError, ServiceUnavailableError)),
     stop=stop_after_attempt(4),
     wait=wait_exponential_jitter(multiplier=0.5, jitter=0.5, max=4.0),
     reraise=True,
 )
+
+
+@settling
 async def _reconcile(
     js: JetStreamContext, want: StreamConfig, name: str, have: StreamConfig | Unread | None
 ) -> Reconciled:

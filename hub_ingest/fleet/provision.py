@@ -51,7 +51,13 @@ from edge_agent.protocol.names import (
     island_deliver_subject,
 )
 from edge_agent.protocol.pack import PACK_SUBJECT
-from edge_agent.protocol.reconcile import UNREAD, Reconciled, mirror_consumer, reconcile_stream
+from edge_agent.protocol.reconcile import (
+    UNREAD,
+    Reconciled,
+    mirror_consumer,
+    reconcile_stream,
+    settling,
+)
 from edge_agent.protocol.release import RELEASES_BUCKET, ROLLOUT_BUCKET
 from edge_agent.protocol.units import parse_time
 from hub_ingest.core.buckets import COMMAND_INDEX, GAPS, bucket_stream, open_bucket
@@ -190,7 +196,8 @@ async def provision_commands(
     """``CMD_<id>`` and the consumer the device's mirror of it reads through (`read`: see
     `_reconcile_read`)."""
     result = await _reconcile_read(js, device_commands(config, device), read)
-    await js.add_consumer(result.name, island_consumer(device))
+    # Asked of the stream's leader, which a stream just made on a cluster may not have yet.
+    await settling(js.add_consumer)(result.name, island_consumer(device))
     if result.change == "updated":  # e.g. the device enrolled again, its consumer renamed
         await _drop_other_island_consumers(js, result.name, device.command_consumer)
     return result
