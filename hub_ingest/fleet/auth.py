@@ -395,10 +395,9 @@ def _account_names(users_file: str) -> set[str]:
     return set(re.findall(r"^  (\S+): \{$", users_file, flags=re.MULTILINE))
 
 
-async def apply_users(config: HubConfig, devices: Iterable[Device]) -> bool:
-    """Write the users file for `devices` and reload the hub's local servers if it changed;
-    False if it changed and no server was there to reload (see `reload_server`)."""
-    written = write_auth(config, devices)
+async def reload_if_changed(config: HubConfig, written: Written) -> bool:
+    """Reload the hub's local servers if `written` changed the users file; False if it did
+    and no server was there to reload (see `reload_server`)."""
     if not written.changed:
         return True
     return await reload_server(config, new_accounts=written.new_accounts)
@@ -407,6 +406,5 @@ async def apply_users(config: HubConfig, devices: Iterable[Device]) -> bool:
 async def sync_users(js: JetStreamContext, config: HubConfig) -> bool:
     """Rewrite the users file from the registry and reload if it differs; True if it did."""
     written = write_auth(config, await (await Registry.open(js)).list())
-    if written.changed:
-        await reload_server(config, new_accounts=written.new_accounts)
+    await reload_if_changed(config, written)
     return written.changed

@@ -33,17 +33,16 @@ from hub_ingest.core import failpoints
 from hub_ingest.core.config import HubConfig
 from hub_ingest.core.errors import EnrolmentError, RegistryError
 from hub_ingest.fleet.auth import (
-    apply_users,
     check_admission,
     new_seed,
     public_key,
+    reload_if_changed,
     write_auth,
     write_secret,
 )
 from hub_ingest.fleet.clashes import check_names
 from hub_ingest.fleet.provision import provision
 from hub_ingest.fleet.registry import Device, Registry, assign_shards
-from hub_ingest.fleet.reload import reload_server
 
 log = structlog.get_logger(__name__)
 
@@ -263,7 +262,7 @@ async def enrol_many(
     devices = [*existing, *(e.device for e in enrolled)]
     written = write_auth(config, devices)
     on_progress(Progress("auth_written", len(devices), len(devices)))
-    reloaded = not written.changed or await reload_server(config, new_accounts=written.new_accounts)
+    reloaded = await reload_if_changed(config, written)
     on_progress(Progress("reloaded", int(reloaded), 1))
     new_ids = {e.device.device_id for e in enrolled}
     changed = await provision(js, config, devices, adopt=adopt, only=new_ids) if streams else []
@@ -315,7 +314,7 @@ async def retire(js: JetStreamContext, config: HubConfig, device_id: str) -> Cha
     registry = await Registry.open(js)
     device = await registry.remove(device_id)
     devices = await registry.list()
-    reloaded = await apply_users(config, devices)
+    reloaded = await reload_if_changed(config, write_auth(config, devices))
     streams = await provision(js, config, devices)
     log.info("device_retired", device_id=device_id, reloaded=reloaded)
     return Change(device, None, reloaded, streams)
