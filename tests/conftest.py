@@ -52,6 +52,17 @@ async def hub(tmp_path: Path) -> AsyncIterator[Hub]:
 
 
 @pytest.fixture
+async def users_file_hub(tmp_path: Path) -> AsyncIterator[Hub]:
+    """`hub`, admitting its devices by users file (``server.admission``) rather than by the
+    watcher's auth callout."""
+    hub = await start_hub(tmp_path, admission="users_file")
+    try:
+        yield hub
+    finally:
+        await hub.close()
+
+
+@pytest.fixture
 def pki(tmp_path: Path) -> Authority:
     """The fleet's certificate authority (`tests.support.certs`)."""
     return Authority(tmp_path / "pki", "fleet-ca")

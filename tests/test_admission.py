@@ -1,10 +1,9 @@
-"""Devices admitted by the hub's auth callout (``server.admission = "callout"``): enrolment
-without a reload, and nobody let in the users file would have kept out."""
+"""Devices admitted by the hub's auth callout (``server.admission = "callout"``, the
+default): enrolment without a reload, and nobody let in the users file would have kept out."""
 
 from __future__ import annotations
 
 import base64
-from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -22,19 +21,10 @@ from hub_ingest.fleet.enrol import retire
 from hub_ingest.fleet.registry import Device
 from hub_ingest.fleet.server import render_server_config
 from hub_ingest.local.fleet import loopback_hub_config
-from tests.support.cluster import Hub, hub_has_reading, start_hub, stream_has
+from tests.support.cluster import Hub, hub_has_reading, stream_has
 from tests.support.waiting import RESUME_TIMEOUT, eventually
 
 RELOADED = "Reloaded server configuration"
-
-
-@pytest.fixture
-async def callout_hub(tmp_path: Path) -> AsyncIterator[Hub]:
-    hub = await start_hub(tmp_path, admission="callout")
-    try:
-        yield hub
-    finally:
-        await hub.close()
 
 
 def _reloads(hub: Hub) -> int:
@@ -55,9 +45,8 @@ async def _connects(hub: Hub, seed: str) -> bool:
 
 
 async def test_a_device_links_without_a_reload_and_a_stranger_or_a_retired_one_does_not(
-    callout_hub: Hub,
+    hub: Hub,
 ) -> None:
-    hub = callout_hub
     server_conf = hub.config.server.config_file.read_text()
     assert f"issuer: {issuer_key(hub.config)}" in server_conf
     before = _reloads(hub)
@@ -91,10 +80,10 @@ async def test_a_device_links_without_a_reload_and_a_stranger_or_a_retired_one_d
     await eventually(refused, timeout=3 * REFRESH_S, what="b's key refused once removed")
 
 
-async def test_a_registered_key_is_refused_unless_it_signed_this_nonce(callout_hub: Hub) -> None:
-    await callout_hub.register("a")
-    keys = nkeys.from_seed(bytearray(read_seed(callout_hub.seed_file("a")).encode()))
-    admission = Admission(callout_hub.js, callout_hub.config)
+async def test_a_registered_key_is_refused_unless_it_signed_this_nonce(hub: Hub) -> None:
+    await hub.register("a")
+    keys = nkeys.from_seed(bytearray(read_seed(hub.seed_file("a")).encode()))
+    admission = Admission(hub.js, hub.config)
     await admission.refresh()
 
     def request(nonce: str, signed: str, key: str = keys.public_key.decode()) -> dict[str, Any]:
@@ -129,7 +118,7 @@ def test_a_users_file_the_server_would_read_without_the_callout_keeps_its_device
     """A hub switched to the callout in hub.toml whose server config was not rendered again:
     a users file without the devices would lock them out at their next link. Refused, naming
     the file, and the users file stays as it was until the config asks the callout."""
-    plain = loopback_hub_config(tmp_path)
+    plain = loopback_hub_config(tmp_path, admission="users_file")
     callout = replace(plain, server=replace(plain.server, admission="callout"))
     devices = [Device.new("d0", "edge-d0", 0, public_key(new_seed()))]
     write_auth(plain, devices)

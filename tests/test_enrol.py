@@ -1,5 +1,7 @@
 """``hub-ingest device add --from``: many devices, one users-file write, one reload, one
-provisioning pass; resumable after a crash; conflicts refused before anything changes."""
+provisioning pass; resumable after a crash; conflicts refused before anything changes. (On a
+hub that admits its devices by users file; under the auth callout, the default, enrolment
+changes no file: `test_admission`.)"""
 
 from __future__ import annotations
 
@@ -27,6 +29,11 @@ from tests.support.cluster import Hub
 from tests.support.waiting import freeze
 
 RELOADED = "Reloaded server configuration"
+
+
+@pytest.fixture
+def hub(users_file_hub: Hub) -> Hub:
+    return users_file_hub
 
 
 @dataclass(frozen=True)

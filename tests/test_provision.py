@@ -213,12 +213,13 @@ async def _bound_to(hub: Hub, account: str) -> bool:
 
 
 async def test_an_upgraded_hub_moves_its_linked_devices_to_their_own_account(
-    hub: Hub, tmp_path: Path
+    users_file_hub: Hub, tmp_path: Path
 ) -> None:
-    """A hub upgraded from a release that bound the devices to the streams' account takes
-    the new accounts at `provision`. nats-server leaves a linked device where it was until
-    its link drops (a reload does not move leaf connections), and it carries on both ways
-    there, then in its own account."""
+    """A hub upgraded from a release that bound the devices to the streams' account (in its
+    users file) takes the new accounts at `provision`. nats-server leaves a linked device
+    where it was until its link drops (a reload does not move leaf connections), and it
+    carries on both ways there, then in its own account."""
+    hub = users_file_hub
     await _enrolled_by_an_older_release(hub, "a")
     device = await hub.device("a", register_when_ready=True, start=False)
     auth = hub.config.server.auth_file

@@ -292,7 +292,7 @@ async def test_a_gap_waits_for_the_island_and_is_refilled_when_it_links(hub: Hub
     returns it is refilled."""
     a = await hub.device("a", heartbeat_interval="1s", sections=UNPACKED)
     await eventually(lambda: hub.mirror("a"), timeout=30, what="a's mirror")
-    await hub.stop_watching()
+    await hub.look_away()
     mirror = await _skip(hub, a)
     a.proxy.cut()
     await a.wait_link(up=False)

@@ -90,7 +90,7 @@ async def test_deleted_sequences_cause_neither_duplicates_nor_stalls(
     for i in range(60):
         await a.js.publish("tele.temp", str(i).encode())
     await eventually(lambda: aggregate_has(hub, "FLEET_TELEMETRY", 60), timeout=RESUME_TIMEOUT)
-    await hub.stop_watching()
+    await hub.look_away()
     deleted = {1, 2, 20, 40, 60, *range(33, 49)}  # 33..48 is one whole partition of 16
     for seq in deleted:
         await hub.js.delete_msg("FLEET_TELEMETRY", seq)

@@ -86,7 +86,7 @@ async def test_a_deadlocked_uplink_consumer_is_bound_afresh_and_the_hub_gets_eve
         await eventually(at_hub, timeout=RESUME_TIMEOUT, what=f"pack {crossed} at the hub")
     # The hub moves a consumer that sends again what its mirror holds on past it, which would
     # mend this too: it looks away, and the agent's own watch is what is tested.
-    await hub.stop_watching()
+    await hub.look_away()
     pause = (datetime.now(UTC) + timedelta(minutes=5)).isoformat().replace("+00:00", "Z")
     await _consumer_api(a, "PAUSE", {"pause_until": pause})
     waiting = [await _pack_one(a, n) for n in range(FIRST, FIRST + 3)]
@@ -167,7 +167,7 @@ async def test_an_uplink_consumer_made_again_from_its_first_message_moves_past_t
     mirror = await hub.mirror(a.id)
     # The mirror gives up the consumer it heard nothing from; then it is made again.
     await eventually(lambda: mirror_silent_for(hub.js, mirror, 15), timeout=60, what="given up")
-    await hub.stop_watching()  # the hub looks away while the consumer falls behind
+    await hub.look_away()  # the hub looks away while the consumer falls behind
     config = hub_consumer_config(a.config, TELEMETRY, incarnation, packed=True)
     await a.js.add_consumer(TELEMETRY, config)
 

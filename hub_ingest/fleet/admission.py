@@ -47,10 +47,15 @@ AUTH_SUBJECT = "$SYS.REQ.USER.AUTH"
 QUEUE = "hub-admission"  # every node's watcher answers; each request once
 _HEADER = {"typ": "JWT", "alg": "ed25519-nkey"}
 _ISSUER_CONTEXT = b"hub-ingest admission issuer v1"
-# How stale the registry the answers come from may be: a device enrolled is let in, and one
-# removed refused, from at most this long after (its link retries meanwhile).
+# The registry is read again every REFRESH_S, and before an answer when the last read began
+# over FRESH_S before it, waiting for that read at most READ_WAIT_S (then the answer is from
+# the read before: a hub recovering its streams keeps a read for seconds, and a restart's
+# storm of handshakes must not wait for it). A link keeps the permissions it was let in with,
+# so an answer from a record stale by a removal and enrolment again (an older device's way to
+# its shard's consumer) would hold its link to what the device was.
 REFRESH_S = 1.0
-UNKNOWN_REFRESH_S = 0.1  # an unknown key is looked for afresh if the last read is older
+FRESH_S = 0.1
+READ_WAIT_S = 0.25
 
 
 def _b64(data: bytes) -> str:
@@ -125,14 +130,15 @@ def user_claims(device: Device, user_key: str, hub_domain: str) -> dict[str, Any
 class Verdict:
     device: Device | None  # None: refused
     reason: str
-    unknown: bool = False  # a key the registry did not have when last read
 
 
 class Admission:
-    """Answers the hub's authorization requests from the registry as last read (every
-    `REFRESH_S`): an answer waits for nothing, so a restart's storm of 500 handshakes is
-    answered in a second, hub busy or not (one registry read per answer was not: its
-    answers came after nats-server had given up, and the devices asked again)."""
+    """Answers the hub's authorization requests from the registry as last read, read again
+    (what was written since) every `REFRESH_S` and before an answer when the last read is
+    older than `FRESH_S`. An answer waits `READ_WAIT_S` at most, and answers share one read, so
+    a restart's storm of 500 handshakes is answered in a second, hub busy or not (one
+    registry read per answer was not: its answers came after nats-server had given up, and
+    the devices asked again)."""
 
     def __init__(self, js: JetStreamContext, config: HubConfig) -> None:
         self._js, self._config = js, config
@@ -140,10 +146,19 @@ class Admission:
         self._registry: Registry | None = None
         self._by_key: dict[str, Device] = {}
         self._read_at = -REFRESH_S  # when the last read of the registry began (monotonic)
+        self._reading: asyncio.Task[None] | None = None
         self.admitted = self.refused = 0
 
     async def refresh(self) -> None:
-        """Read the registry again (what was written since the last read)."""
+        """Read the registry again (what was written since the last read): the read under
+        way, if one is."""
+        if self._reading is None or self._reading.done():
+            self._reading = asyncio.create_task(self._read())
+            # Its error is taken by whoever awaits it, and by no one if all stopped waiting.
+            self._reading.add_done_callback(lambda t: t.cancelled() or t.exception())
+        await asyncio.shield(self._reading)
+
+    async def _read(self) -> None:
         if self._registry is None:
             self._registry = await Registry.open(self._js)
         self._read_at = time.monotonic()
@@ -168,6 +183,8 @@ class Admission:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), REFRESH_S)
         finally:
+            if self._reading is not None:
+                self._reading.cancel()
             await sub.unsubscribe()
 
     def decide(self, request: dict[str, Any]) -> Verdict:
@@ -181,19 +198,17 @@ class Admission:
             return Verdict(None, f"key {key} did not sign the nonce")
         device = self._by_key.get(key)
         if device is None:
-            return Verdict(None, f"key {key} is not registered", unknown=True)
+            return Verdict(None, f"key {key} is not registered")
         return Verdict(device, "registered")
 
     async def _answer(self, msg: Msg) -> None:
         request = claims_of(msg.data.decode())["nats"]
         user_key, server = request["user_nkey"], request["server_id"]["id"]
-        verdict = self.decide(request)
-        if verdict.unknown and time.monotonic() - self._read_at > UNKNOWN_REFRESH_S:
-            # Most likely a device enrolled since: read again now rather than refuse its
-            # first link (a stranger's key costs a read this often at most).
+        if time.monotonic() - self._read_at > FRESH_S:
+            # A failed read is the run loop's to log; this answer is from the read before.
             with contextlib.suppress(Exception):
-                await self.refresh()
-            verdict = self.decide(request)
+                await asyncio.wait_for(self.refresh(), READ_WAIT_S)
+        verdict = self.decide(request)
         response: dict[str, Any] = {"type": "authorization_response", "version": 2}
         if verdict.device is not None:
             claims = user_claims(verdict.device, user_key, self._config.nats.domain)

@@ -98,7 +98,7 @@ def loopback_hub_config(
     *,
     leaf_compression: str = "accept",
     leaf_tls: dict[str, Any] | None = None,
-    admission: str = "users_file",
+    admission: str = "callout",
     **aggregates: Any,
 ) -> HubConfig:
     """A hub under ``root/hub`` listening on free loopback ports (`leaf_tls`: the
@@ -190,7 +190,7 @@ async def start_local_hub(
     *,
     leaf_compression: str = "accept",
     leaf_tls: dict[str, Any] | None = None,
-    admission: str = "users_file",
+    admission: str = "callout",
     **aggregates: Any,
 ) -> LocalHub:
     """Render, start and provision a hub under ``root/hub`` (see `loopback_hub_config`)."""

@@ -63,15 +63,18 @@ class Hub(LocalHub):
     root: Path
     devices: list[Device] = field(default_factory=list)
     stop_watch: asyncio.Event = field(default_factory=asyncio.Event)
-    watcher: asyncio.Task[None] | None = None
+    watchers: list[asyncio.Task[None]] = field(default_factory=list)
 
     def start_watch(self) -> None:
         """Run `hub-ingest watch`'s loop, as the hub's service does: new incarnations are
-        mirrored within a second of the device's link coming up."""
+        mirrored within a second of the device's link coming up (and, under the auth callout,
+        devices let in)."""
         monitor = Monitor(f"http://{self.config.server.monitor_listen}")
         self.stop_watch.clear()
-        self.watcher = asyncio.create_task(
-            watch(self.js, self.nc, self.config, monitor, self.stop_watch, interval=0.2)
+        self.watchers.append(
+            asyncio.create_task(
+                watch(self.js, self.nc, self.config, monitor, self.stop_watch, interval=0.2)
+            )
         )
 
     def start_admission(self) -> None:
@@ -79,13 +82,20 @@ class Hub(LocalHub):
         (`bench/fleet_scale.py` attaches its devices itself, and times it)."""
         admission = Admission(self.js, self.config)
         self.stop_watch.clear()
-        self.watcher = asyncio.create_task(admission.run(self.nc, self.stop_watch))
+        self.watchers.append(asyncio.create_task(admission.run(self.nc, self.stop_watch)))
 
     async def stop_watching(self) -> None:
         self.stop_watch.set()
-        if self.watcher is not None:
-            await asyncio.wait_for(self.watcher, 30)
-            self.watcher = None
+        await asyncio.wait_for(asyncio.gather(*self.watchers), 30)
+        self.watchers.clear()
+
+    async def look_away(self) -> None:
+        """Stop the watcher's rounds (incarnations, gaps, rollouts) for a test of what happens
+        without them. Under the auth callout devices are still let in, as another node's
+        watcher would."""
+        await self.stop_watching()
+        if self.config.server.admission == "callout":
+            self.start_admission()
 
     @property
     def url(self) -> str:
@@ -291,7 +301,7 @@ async def start_hub(
     watching: bool = True,
     leaf_compression: str = "accept",
     leaf_tls: dict[str, Any] | None = None,
-    admission: str = "users_file",
+    admission: str = "callout",
     **aggregates: Any,
 ) -> Hub:
     local = await start_local_hub(

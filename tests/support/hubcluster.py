@@ -58,7 +58,7 @@ def loopback_cluster_config(
     replicas: int = 3,
     leaf_compression: str = "accept",
     count: int = len(NODES),
-    admission: str = "users_file",
+    admission: str = "callout",
 ) -> HubConfig:
     nodes = loopback_cluster_nodes(count)
     return parse_hub_config(
@@ -82,7 +82,6 @@ class ClusterHub(Hub):
     """`Hub` on a cluster: `server` is the first node; `nodes` has them all by name."""
 
     nodes: dict[str, ServerProcess] = field(default_factory=dict)
-    watchers: list[asyncio.Task[None]] = field(default_factory=list)
 
     def leaf_port_of(self, node: str) -> int:
         assert self.config.cluster is not None
@@ -102,11 +101,6 @@ class ClusterHub(Hub):
             self.watchers.append(
                 asyncio.create_task(watch(self.js, self.nc, self.config, monitor, self.stop_watch))
             )
-
-    async def stop_watching(self) -> None:
-        self.stop_watch.set()
-        await asyncio.wait_for(asyncio.gather(*self.watchers), 30)
-        self.watchers.clear()
 
     async def kill(self, node: str) -> None:
         """SIGKILL one node."""
@@ -165,7 +159,7 @@ async def start_cluster_hub(
     watching: bool = True,
     leaf_compression: str = "accept",
     count: int = len(NODES),
-    admission: str = "users_file",
+    admission: str = "callout",
 ) -> ClusterHub:
     config = loopback_cluster_config(
         root, replicas=replicas, leaf_compression=leaf_compression, count=count, admission=admission
