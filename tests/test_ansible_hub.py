@@ -30,9 +30,11 @@ import pytest
 import edge_agent
 from edge_agent.protocol.monitor import Monitor
 from hub_ingest.core.config import load_hub_config
+from hub_ingest.fleet.auth import new_seed
 from hub_ingest.local.fleet import free_port
 from tests.support.ansible import BIN, playbook, recap
 from tests.support.certs import Authority
+from tests.support.cluster import signs_in
 from tests.support.hubcluster import NODES, loopback_cluster_nodes
 from tests.support.releases import source_copy
 from tests.support.scratch_root import REPO, running_service, scratch_root
@@ -207,7 +209,8 @@ async def test_hub_role_installs_starts_and_provisions_one_server(
         added = json.loads(await asyncio.to_thread(_cli, root, "device", "add", "dev1", "--json"))
         assert added["reloaded"] is True
         assert [e["device_id"] for e in added["enrolled"]] == ["dev1"]
-        assert (await monitor.get("/varz"))["config_load_time"] != before
+        # The role's default admits devices by the watcher's auth callout: nothing to reload.
+        assert (await monitor.get("/varz"))["config_load_time"] == before
         out = await asyncio.to_thread(_cli, root, "report", "--json", codes=(0, 1))
         assert [d["device_id"] for d in json.loads(out)["devices"]] == ["dev1"], out
 
@@ -242,13 +245,12 @@ async def test_hub_role_runs_a_three_node_cluster(wheelhouse: Path, tmp_path: Pa
         added = json.loads(
             await asyncio.to_thread(_cli, roots["hub-1"], "device", "add", "dev1", "--json")
         )
-        key = added["enrolled"][0]["nkey"]
-        users = roots["hub-3"] / "var/lib/hub-ingest/auth.conf"
-
-        async def synced() -> bool:
-            return key in users.read_text()
-
-        await eventually(synced, timeout=60, what="dev1 in hub-3's users file")
+        # The role's default admits devices by the watchers' auth callout: dev1 signs in at
+        # hub-3 with no change to its config.
+        seed = Path(added["enrolled"][0]["seed_file"]).read_text().strip()
+        hub3 = f"nats://{nodes[2]['listen']}"
+        await eventually(lambda: signs_in(hub3, seed), timeout=60, what="dev1 let in at hub-3")
+        assert not await signs_in(hub3, new_seed())
         out = await asyncio.to_thread(_cli, roots["hub-3"], "report", "--json", codes=(0, 1))
         assert [d["device_id"] for d in json.loads(out)["devices"]] == ["dev1"], out
 

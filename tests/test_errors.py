@@ -101,10 +101,12 @@ def test_run_with_a_bad_seed_or_no_nats_server_is_one_line(tmp_path: Path) -> No
 
 
 async def test_hub_reload_without_its_monitoring_endpoint_is_one_line(
-    hub: Hub, tmp_path: Path
+    users_file_hub: Hub, tmp_path: Path
 ) -> None:
-    """`device add` signals the hub's nats-server through its pid file and watches its
-    monitoring endpoint; an endpoint that does not answer is an error naming the key."""
+    """`device add` on a hub that admits by users file signals the hub's nats-server through
+    its pid file and watches its monitoring endpoint; an endpoint that does not answer is an
+    error naming the key."""
+    hub = users_file_hub
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         config = write_hub_toml(hub.config, tmp_path / "hub.toml")

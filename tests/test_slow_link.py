@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from bench.slow_link import LTE, SHAPES, drain
 from edge_agent.commands import resume
 from edge_agent.island.pace import ROUND_S
@@ -25,7 +27,10 @@ def behind_one_window(shape: Shape) -> float:
     cores and a writer that syncs 2.5-2.6 s, each by fast resume (idle: 0.22 s, by the
     mirror). Beside two busy cores alone, three times the machine, it took 3.1-5.4 s: the
     agent's requests to the hub give up after 2 s (`edge_agent.app`), less than a window
-    may keep one queued, and fast resume asks again behind the next."""
+    may keep one queued, and fast resume asks again behind the next; beside the suite's
+    other worker (an Ansible convergence, a gateway) 8.0-8.9 s in two runs of two, and in
+    the bench beside two busy cores and the writer 0.2-6.8 s, with the devices admitted
+    either way. The tests that assert it run `alone`."""
     return 2 * ROUND_S + shape.rtt + resume.POLL_S
 
 
@@ -55,6 +60,7 @@ async def test_packed_backlog_crosses_a_lossy_cut_link_once(tmp_path: Path) -> N
     assert 0 <= run.command_start_s < 5, f"the command waited {run.command_start_s:.1f}s"
 
 
+@pytest.mark.alone
 async def test_a_packed_backlog_leaves_a_poor_link_room_for_the_devices_requests(
     tmp_path: Path,
 ) -> None:
@@ -68,6 +74,7 @@ async def test_a_packed_backlog_leaves_a_poor_link_room_for_the_devices_requests
     assert 0 <= run.command_start_s < behind_one_window(SHAPES["rural"]), waited
 
 
+@pytest.mark.alone
 async def test_a_backlog_leaves_a_poor_link_room_for_a_command_sent_while_it_was_cut(
     tmp_path: Path,
 ) -> None:

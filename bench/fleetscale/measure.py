@@ -85,6 +85,7 @@ async def start_fleet(mode: str, root: Path, args: argparse.Namespace) -> Fleet:
                     watching=False,
                     leaf_compression=compression,
                     count=CLUSTER_NODES[mode],
+                    admission=args.admission,
                 )
             else:
                 hub = await start_hub(

@@ -317,6 +317,20 @@ async def start_hub(
     return hub
 
 
+async def signs_in(url: str, seed: str) -> bool:
+    """Whether a client signing in with `seed` is let in (the auth callout asks about clients
+    as about leaf connections)."""
+    nc = Client()
+    try:
+        await nc.connect(url, nkeys_seed_str=seed, allow_reconnect=False, connect_timeout=5)
+    except nats.errors.Error as exc:
+        assert "authorization violation" in str(exc).lower(), exc
+        return False
+    finally:
+        await nc.close()  # refused too: nats-py leaves the socket of a refused connection open
+    return True
+
+
 async def mirror_silent_for(js: JetStreamContext, stream: str, seconds: float) -> bool:
     """Whether mirror `stream` last heard from its origin over `seconds` ago (False if never)."""
     info = await js.stream_info(stream)

@@ -81,6 +81,7 @@ async def start_regions(root: Path) -> dict[str, Hub]:
         for region, config in configs.items():
             nc, js = await admin_connection(config)
             hubs[region] = Hub(config, servers[region], nc, js, root / region)
+            hubs[region].start_admission()  # each region's watcher lets its devices in
         # The fleet-wide streams are made from the first region: they live there.
         first = hubs[REGIONS[0]]
         await eventually(lambda: provisioned(first), timeout=60, what="regions provisioned")
