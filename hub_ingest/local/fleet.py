@@ -98,11 +98,11 @@ def loopback_hub_config(
     *,
     leaf_compression: str = "accept",
     leaf_tls: dict[str, Any] | None = None,
-    admission: str = "callout",
+    admission: str | None = None,
     **aggregates: Any,
 ) -> HubConfig:
     """A hub under ``root/hub`` listening on free loopback ports (`leaf_tls`: the
-    ``[server.leaf_tls]`` table; `admission`: ``server.admission``)."""
+    ``[server.leaf_tls]`` table; `admission`: ``server.admission``, None for the default)."""
     client = f"127.0.0.1:{free_port()}"
     return parse_hub_config(
         {
@@ -117,7 +117,7 @@ def loopback_hub_config(
                 "leaf_listen": f"127.0.0.1:{free_port()}",
                 "leaf_compression": leaf_compression,
                 "max_file_store": "1GiB",
-                "admission": admission,
+                **({"admission": admission} if admission else {}),
                 **({"leaf_tls": leaf_tls} if leaf_tls else {}),
             },
         }
@@ -190,7 +190,7 @@ async def start_local_hub(
     *,
     leaf_compression: str = "accept",
     leaf_tls: dict[str, Any] | None = None,
-    admission: str = "callout",
+    admission: str | None = None,
     **aggregates: Any,
 ) -> LocalHub:
     """Render, start and provision a hub under ``root/hub`` (see `loopback_hub_config`)."""

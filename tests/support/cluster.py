@@ -301,7 +301,7 @@ async def start_hub(
     watching: bool = True,
     leaf_compression: str = "accept",
     leaf_tls: dict[str, Any] | None = None,
-    admission: str = "callout",
+    admission: str | None = None,
     **aggregates: Any,
 ) -> Hub:
     local = await start_local_hub(

@@ -58,7 +58,7 @@ def loopback_cluster_config(
     replicas: int = 3,
     leaf_compression: str = "accept",
     count: int = len(NODES),
-    admission: str = "callout",
+    admission: str | None = None,
 ) -> HubConfig:
     nodes = loopback_cluster_nodes(count)
     return parse_hub_config(
@@ -70,7 +70,7 @@ def loopback_cluster_config(
             "server": {
                 "max_file_store": "1GiB",
                 "leaf_compression": leaf_compression,
-                "admission": admission,
+                **({"admission": admission} if admission else {}),
             },
             "cluster": {"replicas": replicas, "nodes": nodes},
         }
@@ -159,7 +159,7 @@ async def start_cluster_hub(
     watching: bool = True,
     leaf_compression: str = "accept",
     count: int = len(NODES),
-    admission: str = "callout",
+    admission: str | None = None,
 ) -> ClusterHub:
     config = loopback_cluster_config(
         root, replicas=replicas, leaf_compression=leaf_compression, count=count, admission=admission
