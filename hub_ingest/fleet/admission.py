@@ -48,11 +48,11 @@ QUEUE = "hub-admission"  # every node's watcher answers; each request once
 _HEADER = {"typ": "JWT", "alg": "ed25519-nkey"}
 _ISSUER_CONTEXT = b"hub-ingest admission issuer v1"
 # The registry is read again every REFRESH_S, and before an answer when the last read began
-# over FRESH_S before it, waiting for that read at most READ_WAIT_S (then the answer is from
-# the read before: a hub recovering its streams keeps a read for seconds, and a restart's
-# storm of handshakes must not wait for it). A link keeps the permissions it was let in with,
-# so an answer from a record stale by a removal and enrolment again (an older device's way to
-# its shard's consumer) would hold its link to what the device was.
+# over FRESH_S before it, the answer waiting for that read until READ_WAIT_S after it began
+# (then it is from the read before: a hub recovering its streams keeps a read for seconds,
+# and a restart's storm of handshakes must not wait for it). A link keeps the permissions it
+# was let in with, so an answer from a record stale by a removal and enrolment again (an
+# older device's way to its shard's consumer) would hold its link to what the device was.
 REFRESH_S = 1.0
 FRESH_S = 0.1
 READ_WAIT_S = 0.25
@@ -135,10 +135,10 @@ class Verdict:
 class Admission:
     """Answers the hub's authorization requests from the registry as last read, read again
     (what was written since) every `REFRESH_S` and before an answer when the last read is
-    older than `FRESH_S`. An answer waits `READ_WAIT_S` at most, and answers share one read, so
-    a restart's storm of 500 handshakes is answered in a second, hub busy or not (one
-    registry read per answer was not: its answers came after nats-server had given up, and
-    the devices asked again)."""
+    older than `FRESH_S`. Answers share one read and wait for it `READ_WAIT_S` from its start
+    at most, so a restart's storm of 500 handshakes is answered in a second, hub busy or not
+    (one registry read per answer was not: its answers came after nats-server had given up,
+    and the devices asked again)."""
 
     def __init__(self, js: JetStreamContext, config: HubConfig) -> None:
         self._js, self._config = js, config
@@ -152,17 +152,34 @@ class Admission:
     async def refresh(self) -> None:
         """Read the registry again (what was written since the last read): the read under
         way, if one is."""
+        await asyncio.shield(self._read_soon())
+
+    def _read_soon(self) -> asyncio.Task[None]:
+        """The registry read under way, or a new one."""
         if self._reading is None or self._reading.done():
+            self._read_at = time.monotonic()
             self._reading = asyncio.create_task(self._read())
             # Its error is taken by whoever awaits it, and by no one if all stopped waiting.
             self._reading.add_done_callback(lambda t: t.cancelled() or t.exception())
-        await asyncio.shield(self._reading)
+        return self._reading
 
     async def _read(self) -> None:
         if self._registry is None:
             self._registry = await Registry.open(self._js)
-        self._read_at = time.monotonic()
         self._by_key = {d.nkey: d for d in await self._registry.list()}
+
+    async def _fresh(self) -> None:
+        """Until the registry read begun at most `FRESH_S` ago ends, or `READ_WAIT_S` after it
+        began: answers that arrive while a read is held up (a hub recovering its streams)
+        wait for it no longer than that, together, then each is answered from the read
+        before (waiting a quarter second each answered four handshakes a second)."""
+        if time.monotonic() - self._read_at > FRESH_S:
+            self._read_soon()
+        reading, left = self._reading, self._read_at + READ_WAIT_S - time.monotonic()
+        if reading is not None and not reading.done() and left > 0:
+            # A failed read is the run loop's to log.
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(reading), left)
 
     async def run(self, nc: Client, stop: asyncio.Event) -> None:
         """Answer on `nc` until `stop`; the subscription outlives reconnects."""
@@ -204,10 +221,7 @@ class Admission:
     async def _answer(self, msg: Msg) -> None:
         request = claims_of(msg.data.decode())["nats"]
         user_key, server = request["user_nkey"], request["server_id"]["id"]
-        if time.monotonic() - self._read_at > FRESH_S:
-            # A failed read is the run loop's to log; this answer is from the read before.
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.refresh(), READ_WAIT_S)
+        await self._fresh()
         verdict = self.decide(request)
         response: dict[str, Any] = {"type": "authorization_response", "version": 2}
         if verdict.device is not None:
