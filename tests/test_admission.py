@@ -10,6 +10,7 @@ from typing import Any
 
 import nkeys
 import pytest
+import structlog
 
 from edge_agent.island.server import read_seed
 from hub_ingest.core.errors import ConfigError
@@ -63,6 +64,18 @@ async def test_a_device_links_without_a_reload_and_a_stranger_or_a_retired_one_d
 
     # The watcher reads the registry every REFRESH_S: a removed key is let in no longer.
     await eventually(refused, timeout=3 * REFRESH_S, what="b's key refused once removed")
+
+
+async def test_a_key_refused_again_and_again_is_logged_once(hub: Hub) -> None:
+    """A device with a wrong key asks again every second for as long as nobody looks: each
+    refusal is counted, its reason logged once (then once a minute, with how many were not)."""
+    stranger = new_seed()
+    with structlog.testing.capture_logs() as logs:
+        for _ in range(3):
+            assert not await signs_in(hub.url, stranger)
+    refused = [e for e in logs if e["event"] == "connection_refused"]
+    assert len(refused) == 1, refused
+    assert public_key(stranger) in refused[0]["reason"] and refused[0]["not_logged_since"] == 0
 
 
 async def test_a_registered_key_is_refused_unless_it_signed_this_nonce(hub: Hub) -> None:

@@ -56,6 +56,11 @@ _ISSUER_CONTEXT = b"hub-ingest admission issuer v1"
 REFRESH_S = 1.0
 FRESH_S = 0.1
 READ_WAIT_S = 0.25
+# A device with a wrong key asks again every second or so, for as long as nobody looks: each
+# reason is logged once, then once a `REFUSAL_LOG_S` with how many were not, and at most
+# `_REASONS_KEPT` reasons are remembered (a stranger may try a new key each time).
+REFUSAL_LOG_S = 60.0
+_REASONS_KEPT = 1000
 
 
 def _b64(data: bytes) -> str:
@@ -148,6 +153,7 @@ class Admission:
         self._read_at = -REFRESH_S  # when the last read of the registry began (monotonic)
         self._reading: asyncio.Task[None] | None = None
         self.admitted = self.refused = 0
+        self._refusals: dict[str, tuple[float, int]] = {}  # reason → (last logged, since)
 
     async def refresh(self) -> None:
         """Read the registry again (what was written since the last read): the read under
@@ -204,6 +210,23 @@ class Admission:
                 self._reading.cancel()
             await sub.unsubscribe()
 
+    def _log_refusal(self, reason: str) -> None:
+        now = time.monotonic()
+        last, since = self._refusals.get(reason, (now - REFUSAL_LOG_S, 0))
+        if now - last < REFUSAL_LOG_S:
+            self._refusals[reason] = (last, since + 1)
+            return
+        if len(self._refusals) >= _REASONS_KEPT:
+            self._refusals = {
+                r: seen for r, seen in self._refusals.items() if now - seen[0] < REFUSAL_LOG_S
+            }
+            if len(self._refusals) >= _REASONS_KEPT:
+                self._refusals.clear()
+        self._refusals[reason] = (now, 0)
+        log.warning(
+            "connection_refused", reason=reason, refused=self.refused, not_logged_since=since
+        )
+
     def decide(self, request: dict[str, Any]) -> Verdict:
         """Whether the connection `request` describes is a registered device's."""
         opts = request.get("connect_opts") or {}
@@ -232,6 +255,6 @@ class Admission:
         else:
             response["error"] = f"not admitted: {verdict.reason}"
             self.refused += 1
-            log.warning("connection_refused", reason=verdict.reason, refused=self.refused)
+            self._log_refusal(verdict.reason)
         answer = sign(self._issuer, {"sub": user_key, "aud": server, "nats": response})
         await msg.respond(answer.encode())
