@@ -32,6 +32,7 @@ from tests.support.cluster import (
     Hub,
     hub_readings,
     start_hub,
+    stream_has,
     stream_messages,
 )
 from tests.support.commands import command_fence, counter_program, runs, send_command
@@ -209,6 +210,46 @@ async def test_lost_agent_state_with_the_store_kept_runs_no_command_again(
     assert result["status"] == "ok"
     assert [r["status"] for r in await _results(hub, before.id)] == ["ok"]
     assert runs(ran) == 2  # `before` once, `after` once
+
+
+async def test_lost_agent_state_after_fast_resume_runs_no_command_again(
+    hub: Hub, tmp_path: Path
+) -> None:
+    """Fast resume runs a command the island's mirror does not hold yet (the hub consumer the
+    mirror reads through is paused here; after a cut a mirror lags 10-40 s), then the agent's
+    SQLite file is lost: the fence covers what the island's ``EVENTS`` answered, so the
+    mirror's later copy is answered without running."""
+    counter = counter_program(tmp_path)
+    ran = tmp_path / "runs"
+    commands = {"commands": {"exec_allow": [[*counter, "*"]]}}
+    a = await hub.device("a", sections=PACKED | commands)
+    await hub.js.pause_consumer(command_stream("a"), island_consumer(0), "2100-01-01T00:00:00Z")
+    a.proxy.cut()
+    await a.wait_link(up=False)
+    before = await send_command(hub, "a", "exec", {"argv": [*counter, str(ran), "0"]})
+    a.proxy.restore()
+    await eventually(lambda: _results(hub, before.id), timeout=TIMEOUT, what="first result")
+    assert not await stream_has(a.js, "COMMANDS", "cmd.a.>")  # fast resume ran it
+
+    await a.stop()
+    for path in a.config.agent.state_dir.glob(f"{a.config.agent.database.name}*"):
+        path.unlink()
+    await a.start()
+
+    assert await eventually(lambda: command_fence(a), timeout=TIMEOUT, what="fence") >= 1
+    await hub.js.resume_consumer(command_stream("a"), island_consumer(0))
+    await eventually(lambda: stream_has(a.js, "COMMANDS", "cmd.a.exec"), timeout=TIMEOUT)
+    after = await send_command(hub, "a", "exec", {"argv": [*counter, str(ran), "0"]})
+    (result,) = await eventually(lambda: _results(hub, after.id), timeout=TIMEOUT)
+    assert result["status"] == "ok"
+    statuses = await eventually(lambda: _statuses(hub, before.id, 2), timeout=TIMEOUT)
+    assert statuses == ["ok", "rejected"]  # the mirror's copy answered, not run
+    assert runs(ran) == 2  # `before` once, `after` once
+
+
+async def _statuses(hub: Hub, command_id: str, count: int) -> list[str]:
+    statuses = [r["status"] for r in await _results(hub, command_id)]
+    return statuses if len(statuses) >= count else []
 
 
 async def test_the_watch_command_mirrors_a_new_device_and_stops_on_sigterm(

@@ -13,7 +13,12 @@ run.
   last ``CMD_<id>`` sequence at that moment. It writes it into ``CMD_<id>``'s metadata
   (``fence.<incarnation>``), which the agent reads while the link is up.
 - If the island's store survived (only the agent state was lost), everything already in the
-  island's command mirror may have run too: the fence is at least that mirror's last sequence.
+  island's command mirror may have run too, and so may commands fast resume read from the hub
+  before the mirror had them: the fence is at least that mirror's last sequence and the
+  highest sequence answered in the island's ``EVENTS`` (no higher than ``CMD_<id>``'s last,
+  so that a forged result cannot fence off commands not yet issued). A command that was
+  running, or whose answer was still in the agent's outbox, when the state was lost, and that
+  fast resume had read before the mirror, is not covered: it may run again.
 - A ledger with history needs no fence (0): it knows what ran.
 
 Once known, the fence is kept in the agent's SQLite file.
@@ -23,27 +28,37 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 
 import nats.errors
 import structlog
 from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig
 from nats.js.errors import APIError
 
 from edge_agent.core.errors import StateDBBusy
 from edge_agent.core.statedb import FENCE_KEY, StateDB
 from edge_agent.island.link import LinkTracker
 from edge_agent.island.streams import incarnations
-from edge_agent.protocol.names import COMMAND_MIRROR, EVENTS, command_stream, fence_key
+from edge_agent.protocol.names import (
+    COMMAND_MIRROR,
+    EVENTS,
+    command_stream,
+    fence_key,
+    result_subject,
+)
 
 log = structlog.get_logger(__name__)
 
 POLL_S = 1.0  # while the link is up and the hub has not set the fence yet
+_BATCH = 500  # results read at a time from the island's EVENTS
 
 
 class CommandFence:
     def __init__(self, db: StateDB, device_id: str) -> None:
         self._db = db
         self._origin = command_stream(device_id)
+        self._results = result_subject(device_id)
         self._value: int | None = None
         self.known = asyncio.Event()
 
@@ -69,18 +84,27 @@ class CommandFence:
         island_was_fresh: bool,
     ) -> None:
         """Read this incarnation's fence from the hub (waiting for the link), and keep it."""
-        local = 0 if island_was_fresh else await _last_seq(island, COMMAND_MIRROR)
+        mirrored = 0 if island_was_fresh else await _last_seq(island, COMMAND_MIRROR)
+        answered = 0 if island_was_fresh else await _last_answered(island, self._results)
         incarnation = (await incarnations(island))[EVENTS]
-        log.info("command_fence_awaited", incarnation=incarnation, local_floor=local)
+        log.info(
+            "command_fence_awaited",
+            incarnation=incarnation,
+            mirrored=mirrored,
+            answered=answered,
+        )
         while True:
             await link.is_up.wait()
             try:
-                metadata = (await hub.stream_info(self._origin)).config.metadata or {}
+                info = await hub.stream_info(self._origin)
             except (nats.errors.Error, APIError, TimeoutError) as exc:
                 log.debug("command_fence_unreadable", error=repr(exc))
-                metadata = {}
+                await asyncio.sleep(POLL_S)
+                continue
+            metadata = info.config.metadata or {}
             hub_fence = metadata.get(fence_key(incarnation)) if incarnation else None
             if hub_fence is not None:
+                local = max(mirrored, min(answered, info.state.last_seq))
                 with contextlib.suppress(StateDBBusy):  # stored on the next poll
                     await self._store(max(int(hub_fence), local))
                     return
@@ -99,3 +123,29 @@ class CommandFence:
 
 async def _last_seq(js: JetStreamContext, stream: str) -> int:
     return (await js.stream_info(stream)).state.last_seq
+
+
+async def _last_answered(js: JetStreamContext, subject: str) -> int:
+    """The highest command sequence answered on `subject` in the island's ``EVENTS``."""
+    config = ConsumerConfig(ack_policy=AckPolicy.NONE, mem_storage=True, inactive_threshold=60.0)
+    sub = await js.pull_subscribe(subject, stream=EVENTS, config=config)
+    highest = 0
+    try:
+        pending = (await sub.consumer_info()).num_pending or 0
+        while pending > 0:
+            batch = await sub.fetch(min(pending, _BATCH), timeout=5.0)
+            highest = max([highest, *(_answered_seq(m.data) for m in batch)])
+            pending = batch[-1].metadata.num_pending or 0
+    finally:
+        await sub.unsubscribe()
+        with contextlib.suppress(nats.errors.Error, APIError):
+            await js.delete_consumer(EVENTS, (await sub.consumer_info()).name)
+    return highest
+
+
+def _answered_seq(data: bytes) -> int:
+    with contextlib.suppress(ValueError, AttributeError):
+        seq = json.loads(data).get("seq")
+        if isinstance(seq, int):
+            return seq
+    return 0

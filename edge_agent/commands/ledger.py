@@ -17,6 +17,7 @@ from edge_agent.core.errors import TooLarge
 from edge_agent.core.statedb import FENCE_KEY, StateDB
 from edge_agent.outbox.store import Outbox
 from edge_agent.protocol.envelope import Result
+from edge_agent.protocol.names import result_subject
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +45,7 @@ class Ledger:
     def __init__(self, db: StateDB, outbox: Outbox, device_id: str) -> None:
         self._db = db
         self._outbox = outbox
-        self.subject = f"evt.{device_id}.result"
+        self.subject = result_subject(device_id)
 
     async def seen(self, key: str) -> bool:
         rows = await self._db.fetchall("SELECT 1 FROM ledger WHERE key = ?", (key,))

@@ -47,6 +47,11 @@ def island_name(device_id: str) -> str:
     return f"edge-{device_id}"
 
 
+def result_subject(device_id: str) -> str:
+    """Where the agent answers each command (into its island's `EVENTS`)."""
+    return f"evt.{device_id}.result"
+
+
 def command_stream(device_id: str) -> str:
     """The hub stream holding this device's commands and the broadcasts (mirrored by it)."""
     return f"CMD_{device_id}"
