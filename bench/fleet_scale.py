@@ -36,8 +36,9 @@ commands in the history (ratio large over small; 1.0: the cost does not grow wit
     .venv/bin/python bench/fleet_scale.py [--sizes 25,50,100,200] [--modes single,cluster]
     .venv/bin/python bench/fleet_scale.py --sizes 5 --compare 5 --large 200    # quick
 
-With ``--admission callout`` the hub admits its devices by auth callout
-(`hub_ingest.fleet.admission`), answered from this process: ``add`` then reloads nothing.
+The hub admits its devices by auth callout (`hub_ingest.fleet.admission`, the product's
+default), answered from this process; ``--admission users_file`` makes each a user of the
+hub's users file, and ``add`` then reloads the server.
 
 Prints one line per (mode, size), the cluster-over-single ratio of each metric at each size,
 the fitted cost per device (least-squares slope over the sizes) per mode, and last:
@@ -84,10 +85,10 @@ def main() -> int:
     )
     parser.add_argument(
         "--admission",
-        default="users_file",
+        default="callout",
         choices=ADMISSIONS,
         help="the hub's server.admission (callout: the bench answers, as its watcher would; "
-        "default: the product's, users_file)",
+        "default: the product's, callout)",
     )
     parser.add_argument(
         "--compressed",

@@ -1,10 +1,9 @@
-"""Devices admitted by the hub's auth callout (``server.admission = "callout"``): enrolment
-without a reload, and nobody let in the users file would have kept out."""
+"""Devices admitted by the hub's auth callout (``server.admission = "callout"``, the
+default): enrolment without a reload, and nobody let in the users file would have kept out."""
 
 from __future__ import annotations
 
 import base64
-from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -21,20 +20,10 @@ from hub_ingest.fleet.enrol import retire
 from hub_ingest.fleet.registry import Device
 from hub_ingest.fleet.server import render_server_config
 from hub_ingest.local.fleet import loopback_hub_config
-from tests.support.cluster import Hub, hub_has_reading, signs_in, start_hub, stream_has
+from tests.support.cluster import Hub, hub_has_reading, signs_in, stream_has
 from tests.support.waiting import RESUME_TIMEOUT, eventually
 
 RELOADED = "Reloaded server configuration"
-
-
-@pytest.fixture
-async def hub(tmp_path: Path) -> AsyncIterator[Hub]:
-    """The conftest's hub, admitting its devices by the watcher's auth callout."""
-    hub = await start_hub(tmp_path, admission="callout")
-    try:
-        yield hub
-    finally:
-        await hub.close()
 
 
 def _reloads(hub: Hub) -> int:

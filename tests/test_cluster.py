@@ -136,6 +136,7 @@ async def test_each_node_keeps_its_users_file_in_line_with_the_registry(
     users = cluster_hub.config.server.auth_file
     users.write_text("# an older users file, as on a machine `device add` did not run on\n")
     assert await sync_users(cluster_hub.js, cluster_hub.config)
+    # Under the auth callout (the default) the file names no device, only their accounts.
     assert f"  {devices_account(0)}: {{" in users.read_text()
     assert not await sync_users(cluster_hub.js, cluster_hub.config)  # already in line
 

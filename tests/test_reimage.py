@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 from pyspark.sql import SparkSession
 
+from edge_agent.commands.executor import CONSUMER
 from edge_agent.protocol.names import command_stream, island_consumer
 from edge_agent.protocol.pack import PACK_SUBJECT
 from hub_ingest.archive.audit import audit_archive
@@ -72,6 +73,12 @@ async def _results(hub: Hub, command_id: str) -> list[dict[str, Any]]:
     msgs = await stream_messages(hub.js, "FLEET_EVENTS")
     bodies = [json.loads(m.data or b"{}") for m in msgs if (m.subject or "").endswith(".result")]
     return [b for b in bodies if b.get("command_id") == command_id]
+
+
+async def _consumed(device: Device, seq: int) -> bool:
+    """Whether the agent's consumer on its island's command mirror acknowledged `seq`."""
+    info = await device.js.consumer_info("COMMANDS", CONSUMER)
+    return (info.ack_floor.stream_seq if info.ack_floor else 0) >= seq
 
 
 async def _incarnations(hub: Hub, device_id: str, count: int) -> list[str]:
@@ -198,6 +205,8 @@ async def test_lost_agent_state_with_the_store_kept_runs_no_command_again(
     a = await hub.device("a", sections=PACKED | commands)
     before = await send_command(hub, "a", "exec", {"argv": [*counter, str(ran), "0"]})
     await eventually(lambda: _results(hub, before.id), timeout=TIMEOUT, what="first result")
+    # Through the mirror: the other order is the next test's.
+    await eventually(lambda: _consumed(a, 1), timeout=TIMEOUT, what="the mirror's copy")
 
     await a.stop()
     for path in a.config.agent.state_dir.glob(f"{a.config.agent.database.name}*"):

@@ -78,7 +78,7 @@ class ServerConfig:
     auth_file: Path  # users and permissions, rendered from the registry on every device change
     pid_file: Path  # signalled to reload auth_file when it changes
     leaf_tls: LeafTlsConfig | None = None  # None: a plaintext leaf listener (NKeys only)
-    admission: str = "users_file"  # or "callout": see hub_ingest.fleet.admission
+    admission: str = "callout"  # or "users_file": see hub_ingest.fleet.admission
 
 
 @dataclass(frozen=True, slots=True)
@@ -324,7 +324,7 @@ def _server(srv: Section, state_dir: Path, home: Path) -> ServerConfig:
         auth_file=srv.get("auth_file", path, state_dir / "auth.conf"),
         pid_file=srv.get("pid_file", path, home / "nats-server.pid"),
         leaf_tls=_leaf_tls(srv.table("leaf_tls")) if srv.has("leaf_tls") else None,
-        admission=srv.get("admission", _admission, "users_file"),
+        admission=srv.get("admission", _admission, "callout"),
     )
     srv.finish()
     return server
