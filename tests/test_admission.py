@@ -14,10 +14,18 @@ import structlog
 
 from edge_agent.island.server import read_seed
 from hub_ingest.core.errors import ConfigError
-from hub_ingest.fleet.admission import REFRESH_S, Admission, claims_of, issuer_key, sign
+from hub_ingest.fleet.admission import (
+    REFRESH_S,
+    Admission,
+    claims_of,
+    issuer_key,
+    sign,
+    user_claims,
+)
 from hub_ingest.fleet.auth import new_seed, public_key, render_auth, write_auth
+from hub_ingest.fleet.cutoff import Links
 from hub_ingest.fleet.enrol import retire
-from hub_ingest.fleet.registry import Device
+from hub_ingest.fleet.registry import Device, Incarnation
 from hub_ingest.fleet.server import render_server_config
 from hub_ingest.local.fleet import loopback_hub_config
 from tests.support.cluster import Hub, hub_has_reading, signs_in, stream_has
@@ -37,7 +45,7 @@ async def test_a_device_links_without_a_reload_and_a_stranger_or_a_retired_one_d
     assert f"issuer: {issuer_key(hub.config)}" in server_conf
     before = _reloads(hub)
 
-    await hub.device("a")  # the hub's first: its shard's account was made with the hub's
+    a = await hub.device("a")  # the hub's first: its shard's account was made with the hub's
     b = await hub.device("b")
 
     assert _reloads(hub) == before
@@ -57,13 +65,18 @@ async def test_a_device_links_without_a_reload_and_a_stranger_or_a_retired_one_d
     b_seed = read_seed(hub.seed_file("b"))
     assert await signs_in(hub.url, b_seed)
 
+    a_link = await a.link_id()
+
     await retire(hub.js, hub.config, "b")
 
     async def refused() -> bool:
         return not await signs_in(hub.url, b_seed)
 
-    # The watcher reads the registry every REFRESH_S: a removed key is let in no longer.
+    # The watcher reads the registry every REFRESH_S: a removed key is let in no longer, and
+    # the link it let in is cut (nats-server would keep it up for its life).
     await eventually(refused, timeout=3 * REFRESH_S, what="b's key refused once removed")
+    await b.wait_link(up=False, timeout=3 * REFRESH_S)
+    assert await a.link_id() == a_link  # nobody else's link was cut
 
 
 async def test_a_key_refused_again_and_again_is_logged_once(hub: Hub) -> None:
@@ -138,3 +151,23 @@ def test_an_answer_is_a_jwt_the_issuer_signed() -> None:
     head, body, sig = token.split(".")
     assert claims_of(token)["iss"] == keys.public_key.decode()
     assert keys.verify(f"{head}.{body}".encode(), base64.urlsafe_b64decode(sig + "=="))
+
+
+def test_a_link_is_marked_for_cutting_when_its_device_is_removed_or_granted_otherwise() -> None:
+    """Which links the watcher has closed: a removed device's and one whose record now grants
+    other permissions (another shard); not one whose record only gained an incarnation."""
+    a, b, c = (Device.new(i, f"edge-{i}", 0, public_key(new_seed())) for i in "abc")
+    links = Links(lambda d: user_claims(d, "", "hub"))
+    for cid, device in enumerate((a, b, c)):
+        links.admitted("server-1", cid, device.nkey, device)
+    seen = Incarnation("TELEMETRY", "inc-1", "2026-12-01T00:00:00Z", 0)
+
+    links.check({a.nkey: replace(a, incarnations=(seen,)), c.nkey: replace(c, shard=1)})
+
+    assert {(cid, reason) for (_, cid), (_, reason) in links.to_cut.items()} == {
+        (1, "removed"),
+        (2, "changed"),
+    }
+    links.to_cut.clear()
+    links.check({a.nkey: a})  # what b and c had is forgotten with their cut
+    assert links.to_cut == {}

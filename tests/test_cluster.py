@@ -15,6 +15,7 @@ import pytest
 
 from edge_agent.protocol.names import island_consumer
 from hub_ingest.fleet.auth import devices_account, sync_users
+from hub_ingest.fleet.enrol import retire
 from hub_ingest.fleet.provision import provision
 from hub_ingest.fleet.registry import Device, Registry
 from hub_ingest.fleet.streams import stream_names
@@ -105,6 +106,24 @@ async def test_devices_admitted_by_callout_move_to_the_other_nodes_and_lose_noth
         await hub.close()
     outcome.assert_exact()
     assert outcome.faults["node_kill"] == 1, outcome.summary()
+
+
+async def test_a_removed_devices_link_is_cut_whichever_node_it_is_on(
+    cluster_hub: ClusterHub,
+) -> None:
+    """Under the auth callout (the default) the watcher that let a device in, one of three,
+    has its link closed once the device is removed, over the system account to the node
+    the link is on; the other device's link stays."""
+    a = await cluster_hub.device("a", register_when_ready=True)
+    b = await cluster_hub.device("b", register_when_ready=True)
+    await a.wait_link()
+    await b.wait_link()
+    a_link = await a.link_id()
+
+    await retire(cluster_hub.js, cluster_hub.config, "b")
+
+    await b.wait_link(up=False, timeout=10)
+    assert await a.link_id() == a_link
 
 
 async def _has_stream(hub: ClusterHub, name: str) -> bool:

@@ -13,7 +13,9 @@ A device is admitted when its key is registered and it signed the server's nonce
 bound to its shard's account with the permissions the users file would give it
 (`auth.device_permissions`). The answers are JWTs signed by an account key derived from the
 operators' seed, so every node that holds that seed answers alike and no new secret is made.
-Without a running watcher no device links: the operators' own connections never ask.
+Without a running watcher no device links: the operators' own connections never ask. A link
+let in stays as it was let in for its life, so the links of a device removed since are cut
+(`hub_ingest.fleet.cutoff`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ import base64
 import binascii
 import contextlib
 import hashlib
-import hmac
 import json
 import time
 from dataclasses import dataclass
@@ -38,7 +39,8 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from hub_ingest.core.config import HubConfig
-from hub_ingest.fleet.auth import device_permissions, devices_account, ensure_operator_key
+from hub_ingest.fleet.auth import derived_keys, device_permissions, devices_account
+from hub_ingest.fleet.cutoff import Cutter, Links
 from hub_ingest.fleet.registry import Device, Registry
 
 log = structlog.get_logger(__name__)
@@ -73,10 +75,7 @@ def _unb64(text: str) -> bytes:
 
 def issuer(config: HubConfig) -> nkeys.KeyPair:
     """The account key the answers are signed with, derived from the operators' seed."""
-    ensure_operator_key(config)
-    operator = config.nats.credentials.read_text(encoding="utf-8").strip().encode()
-    raw = hmac.new(operator, _ISSUER_CONTEXT, hashlib.sha256).digest()
-    return nkeys.from_seed(bytearray(nkeys.encode_seed(raw, nkeys.PREFIX_BYTE_ACCOUNT)))
+    return derived_keys(config, _ISSUER_CONTEXT, nkeys.PREFIX_BYTE_ACCOUNT)
 
 
 def issuer_key(config: HubConfig) -> str:
@@ -154,6 +153,12 @@ class Admission:
         self._reading: asyncio.Task[None] | None = None
         self.admitted = self.refused = 0
         self._refusals: dict[str, tuple[float, int]] = {}  # reason → (last logged, since)
+        self.links = Links(self._granted)
+        self._cutter = Cutter(config, self.links)
+
+    def _granted(self, device: Device) -> dict[str, Any]:
+        """What a link of `device` is let in with, whatever key the server made it."""
+        return user_claims(device, "", self._config.nats.domain)
 
     async def refresh(self) -> None:
         """Read the registry again (what was written since the last read): the read under
@@ -173,6 +178,7 @@ class Admission:
         if self._registry is None:
             self._registry = await Registry.open(self._js)
         self._by_key = {d.nkey: d for d in await self._registry.list()}
+        self.links.check(self._by_key)
 
     async def _fresh(self) -> None:
         """Until the registry read begun at most `FRESH_S` ago ends, or `READ_WAIT_S` after it
@@ -196,6 +202,7 @@ class Admission:
             while not stop.is_set():
                 try:
                     await self.refresh()
+                    await self._cutter.cut_marked()
                     if failing:
                         log.info("admission_refresh_recovered")
                     failing = ""
@@ -209,6 +216,7 @@ class Admission:
             if self._reading is not None:
                 self._reading.cancel()
             await sub.unsubscribe()
+            await self._cutter.close()
 
     def _log_refusal(self, reason: str) -> None:
         now = time.monotonic()
@@ -244,6 +252,7 @@ class Admission:
     async def _answer(self, msg: Msg) -> None:
         request = claims_of(msg.data.decode())["nats"]
         user_key, server = request["user_nkey"], request["server_id"]["id"]
+        cid = int((request.get("client_info") or {}).get("id", 0))
         await self._fresh()
         verdict = self.decide(request)
         response: dict[str, Any] = {"type": "authorization_response", "version": 2}
@@ -251,7 +260,8 @@ class Admission:
             claims = user_claims(verdict.device, user_key, self._config.nats.domain)
             response["jwt"] = sign(self._issuer, claims)
             self.admitted += 1
-            log.debug("device_admitted", device_id=verdict.device.device_id)
+            self.links.admitted(server, cid, verdict.device.nkey, verdict.device)
+            log.debug("device_admitted", device_id=verdict.device.device_id, cid=cid)
         else:
             response["error"] = f"not admitted: {verdict.reason}"
             self.refused += 1

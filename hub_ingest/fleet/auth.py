@@ -26,6 +26,8 @@ The hub stores public keys only; a device's seed is written once, mode 0600, for
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import os
 import re
@@ -88,6 +90,21 @@ def ensure_operator_key(config: HubConfig) -> str:
     if not seed_file.exists():
         write_secret(seed_file, new_seed())
     return public_key(seed_file.read_text(encoding="utf-8").strip())
+
+
+def derived_keys(config: HubConfig, context: bytes, prefix: int) -> nkeys.KeyPair:
+    """A key pair derived from the operators' seed for `context`: every node that holds the
+    seed derives the same one, and no new secret is made."""
+    ensure_operator_key(config)
+    operator = config.nats.credentials.read_text(encoding="utf-8").strip().encode()
+    raw = hmac.new(operator, context, hashlib.sha256).digest()
+    return nkeys.from_seed(bytearray(nkeys.encode_seed(raw, prefix)))
+
+
+def system_user(config: HubConfig) -> nkeys.KeyPair:
+    """The system account's one user under the callout: the watcher, which has the server
+    close a link whose device was removed (`hub_ingest.fleet.cutoff`)."""
+    return derived_keys(config, b"hub-ingest system user v1", nkeys.PREFIX_BYTE_USER)
 
 
 def device_permissions(device: Device, hub_domain: str) -> dict[str, Any]:
@@ -301,11 +318,12 @@ def _devices_account(shard: int, devices: list[Device], hub_domain: str) -> dict
 
 
 def render_auth(
-    operator_key: str, devices: Iterable[Device], hub_domain: str, *, callout: bool = False
+    operator_key: str, devices: Iterable[Device], hub_domain: str, *, system_key: str = ""
 ) -> str:
-    """The users file. With `callout` (`hub_ingest.fleet.admission`) it names no device, and
-    makes the account of the shard after the last, so that enrolling a device changes it only
-    when a shard fills up."""
+    """The users file. With the `system_key` of the callout (`hub_ingest.fleet.admission`) it
+    names no device, makes the account of the shard after the last, so that enrolling a device
+    changes it only when a shard fills up, and gives the system account that one user."""
+    callout = bool(system_key)
     listed = list(devices)
     # The first shard's account always, so that a hub with no device yet has the account its
     # first one links to.
@@ -321,13 +339,14 @@ def render_auth(
             for shard in shards
         },
     }
+    # The system account a hub that is one region of a supercluster names; no users but the
+    # callout's watcher's.
+    accounts[SYSTEM_ACCOUNT] = {"users": [{"nkey": system_key}]} if callout else {}
     blocks = "\n".join(_account_block(name, body) for name, body in accounts.items())
     return f"""\
 # Rendered by hub-ingest from the device registry; every `device add|remove` rewrites it.
 accounts {{
 {blocks}
-  # No users: the system account a hub that is one region of a supercluster names.
-  {SYSTEM_ACCOUNT}: {{}}
 }}
 """
 
@@ -358,10 +377,14 @@ def write_auth(config: HubConfig, devices: Iterable[Device]) -> Written:
     except FileNotFoundError:
         before = None  # the server has not read one yet
     devices = list(devices)
-    callout = config.server.admission == "callout"
+    system_key = ""
+    if config.server.admission == "callout":
+        system_key = system_user(config).public_key.decode()
     if devices:
         check_admission(config)
-    text = render_auth(ensure_operator_key(config), devices, config.nats.domain, callout=callout)
+    text = render_auth(
+        ensure_operator_key(config), devices, config.nats.domain, system_key=system_key
+    )
     text = text.rstrip("\n")
     if text == before:
         return Written(changed=False, new_accounts=False)

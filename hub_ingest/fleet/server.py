@@ -13,7 +13,7 @@ from pathlib import Path
 from edge_agent.protocol.tomlconf import render_sync
 from hub_ingest.core.config import ClusterConfig, HubConfig, LeafTlsConfig, NodeConfig
 from hub_ingest.fleet.admission import issuer_key
-from hub_ingest.fleet.auth import ACCOUNT, SYSTEM_ACCOUNT, ensure_operator_key
+from hub_ingest.fleet.auth import ACCOUNT, SYSTEM_ACCOUNT, ensure_operator_key, system_user
 
 # The hub's nats-server runs with the Go runtime's GOGC at 25 (stock: 100): it collects when
 # the heap has grown by a quarter instead of doubled. Measured at 50 devices: 0.97 MiB of RSS
@@ -36,7 +36,7 @@ listen: {json.dumps(srv.listen)}
 http: {json.dumps(srv.monitor_listen)}
 pid_file: {json.dumps(str(srv.pid_file))}
 include {json.dumps(include)}
-{_callout_block(config)}
+{_system_account(config)}{_callout_block(config)}
 jetstream {{
   domain: {json.dumps(config.nats.domain)}
   store_dir: {json.dumps(str(srv.store_dir))}
@@ -58,6 +58,16 @@ leafnodes {{
 {_cluster_block(config)}"""
 
 
+def _system_account(config: HubConfig) -> str:
+    """The system account is named when leaf nodes and gateways meet (nats-server asks for
+    it), and under the callout, whose watcher has links closed (`hub_ingest.fleet.cutoff`)
+    as its one user; else nats-server's own, which no one signs in to."""
+    gateways = config.cluster is not None and bool(config.cluster.gateways)
+    if not gateways and config.server.admission != "callout":
+        return ""
+    return f"system_account: {json.dumps(SYSTEM_ACCOUNT)}\n"
+
+
 def _callout_block(config: HubConfig) -> str:
     """With ``server.admission = "callout"``: every connection but the operators' is asked
     about (`hub_ingest.fleet.admission`). nats-server reads this block at start only."""
@@ -68,7 +78,7 @@ authorization {{
   auth_callout {{
     issuer: {issuer_key(config)}
     account: {ACCOUNT}
-    auth_users: [{ensure_operator_key(config)}]
+    auth_users: [{ensure_operator_key(config)}, {system_user(config).public_key.decode()}]
   }}
 }}
 """
@@ -120,9 +130,6 @@ def _gateway_block(cluster: ClusterConfig, node: NodeConfig) -> str:
         for g in cluster.gateways
     )
     return f"""
-# nats-server asks for a system account named when leaf nodes and gateways meet.
-system_account: {json.dumps(SYSTEM_ACCOUNT)}
-
 gateway {{
   name: {json.dumps(cluster.name)}
   listen: {json.dumps(node.gateway_listen)}

@@ -288,6 +288,11 @@ class Device:
     async def link_up(self) -> bool:
         return await self.monitor.leaf_connected()
 
+    async def link_id(self) -> int:
+        """The id its island gives its link to the hub (a new one each time it links)."""
+        (link,) = (await self.monitor.get("/leafz"))["leafs"]
+        return int(link["id"])
+
     async def wait_link(self, up: bool = True, timeout: float = 30) -> None:
         async def probe() -> bool:
             return await self.link_up() == up

@@ -1,0 +1,172 @@
+"""Links cut when their device is removed or changed (under the auth callout).
+
+nats-server never looks at a leaf connection again: the link keeps the account and the
+permissions it was let in with for its life, whatever the registry says since. So each link
+the watcher admits (`hub_ingest.fleet.admission`) is remembered (its server, its connection
+id, the device record it was let in from), and when a read of the registry finds that device
+removed, or its record changed in what its link is granted, the watcher has the server close
+the link (the system account's ``$SYS.REQ.SERVER.<id>.KICK``, signed in as the system user
+derived from the operators' seed, `auth.system_user`). The device dials again and is let in,
+or refused, from the registry as it is now.
+
+A watcher knows only the links it admitted since it started (nats-server's ``/leafz`` does not
+say which key a link signed in with): a link let in before a watcher restart stays up until it
+drops, as every link does under ``server.admission = "users_file"``; restarting the hub's
+nats-server cuts every link (docs/security.md).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import nats
+import nats.errors
+import structlog
+from nats.aio.client import Client
+
+from hub_ingest.core.config import HubConfig
+from hub_ingest.core.connect import close_quietly
+from hub_ingest.fleet.auth import system_user
+from hub_ingest.fleet.registry import Device
+
+log = structlog.get_logger(__name__)
+
+# Links remembered a key: a device whose link dropped dials again, and its older links are
+# closed; a handshake storm can leave a duplicate or two open for a moment.
+KEPT = 4
+KICK_TIMEOUT_S = 2.0
+_GONE = "no such client or leafnode id"  # nats-server's answer: the link closed by itself
+
+Grant = Callable[[Device], dict[str, Any]]  # what a device's link is let in with
+
+
+@dataclass(slots=True)
+class Link:
+    server: str  # the id of the server the link is on
+    cid: int  # its connection id there
+    key: str  # the device's key it signed in with
+    device: Device  # the record it was let in from
+    granted: dict[str, Any]
+
+
+class Links:
+    """The links this watcher let in, and those to cut."""
+
+    def __init__(self, grant: Grant) -> None:
+        self._grant = grant
+        self._by_key: dict[str, deque[Link]] = {}
+        self.to_cut: dict[tuple[str, int], tuple[Link, str]] = {}
+        self.cut = 0
+
+    def admitted(self, server: str, cid: int, key: str, device: Device) -> None:
+        link = Link(server, cid, key, device, self._grant(device))
+        self._by_key.setdefault(key, deque(maxlen=KEPT)).append(link)
+
+    def check(self, registered: Mapping[str, Device]) -> None:
+        """Mark for cutting the links whose device `registered` (by key) no longer has, or
+        would let in with other permissions."""
+        for key, links in list(self._by_key.items()):
+            device = registered.get(key)
+            if device is None:
+                del self._by_key[key]
+                self._mark(links, "removed")
+            elif any(link.device is not device for link in links):  # unchanged: the same record
+                kept: deque[Link] = deque(maxlen=KEPT)
+                for link in links:
+                    if self._holds(link, device):
+                        kept.append(link)
+                    else:
+                        self._mark([link], "changed")
+                self._by_key[key] = kept
+
+    def _holds(self, link: Link, device: Device) -> bool:
+        """Whether `device`'s record lets `link` in as it was (a new incarnation does)."""
+        if link.device == device or self._grant(device) == link.granted:
+            link.device = device
+            return True
+        return False
+
+    def _mark(self, links: Iterable[Link], reason: str) -> None:
+        for link in links:
+            self.to_cut[(link.server, link.cid)] = (link, reason)
+
+
+async def _quiet(exc: Exception) -> None:
+    log.debug("system_connection_error", error=repr(exc))
+
+
+class Cutter:
+    """Closes the links `Links` marked, over a connection of the system account's user."""
+
+    def __init__(self, config: HubConfig, links: Links) -> None:
+        self._config, self._links = config, links
+        self._nc: Client | None = None
+        self._failing = ""  # the last error, logged once
+
+    async def cut_marked(self) -> None:
+        """Cut every marked link; one that could not be is tried again at the next call."""
+        for where, (link, reason) in list(self._links.to_cut.items()):
+            try:
+                closed = await self._kick(link)
+            except (nats.errors.Error, OSError, TimeoutError) as exc:
+                if repr(exc) != self._failing:
+                    log.warning(
+                        "link_cut_failed",
+                        device_id=link.device.device_id,
+                        error=repr(exc),
+                        hint="restart the hub's nats-server to cut every link",
+                    )
+                self._failing = repr(exc)
+                return
+            self._failing = ""
+            del self._links.to_cut[where]
+            if closed:
+                self._links.cut += 1
+                log.info(
+                    "link_cut",
+                    device_id=link.device.device_id,
+                    reason=reason,
+                    server=link.server,
+                    cid=link.cid,
+                )
+
+    async def _kick(self, link: Link) -> bool:
+        """Have `link`'s server close it; False if it was closed already."""
+        nc = await self._connection()
+        subject = f"$SYS.REQ.SERVER.{link.server}.KICK"
+        try:
+            reply = await nc.request(
+                subject, json.dumps({"cid": link.cid}).encode(), KICK_TIMEOUT_S
+            )
+        except nats.errors.NoRespondersError:
+            return False  # that server is gone (a restarted server has a new id)
+        error = (json.loads(reply.data or b"{}").get("error") or {}).get("description")
+        if error is None:
+            return True
+        if error == _GONE:
+            return False
+        raise nats.errors.Error(f"{subject}: {error}")
+
+    async def _connection(self) -> Client:
+        if self._nc is None or self._nc.is_closed:
+            seed = system_user(self._config).seed.decode()
+            # One try a call: a server config from before the system user (rendered at the
+            # server's start) sends it to the callout, which refuses it.
+            self._nc = await nats.connect(
+                list(self._config.nats.servers),
+                name="hub-ingest-watch-system",
+                nkeys_seed_str=seed,
+                connect_timeout=5,
+                max_reconnect_attempts=1,
+                error_cb=_quiet,
+            )
+            self._nc.options["max_reconnect_attempts"] = -1
+        return self._nc
+
+    async def close(self) -> None:
+        if self._nc is not None:
+            await close_quietly(self._nc)
