@@ -227,7 +227,8 @@ async def test_lost_agent_state_after_fast_resume_runs_no_command_again(
     """Fast resume runs a command the island's mirror does not hold yet (the hub consumer the
     mirror reads through is paused here; after a cut a mirror lags 10-40 s), then the agent's
     SQLite file is lost: the fence covers what the island's ``EVENTS`` answered, so the
-    mirror's later copy is answered without running."""
+    mirror's later copy is answered without running. An answer an app on the device forged
+    fences off no command the hub has not issued yet."""
     counter = counter_program(tmp_path)
     ran = tmp_path / "runs"
     commands = {"commands": {"exec_allow": [[*counter, "*"]]}}
@@ -239,13 +240,15 @@ async def test_lost_agent_state_after_fast_resume_runs_no_command_again(
     a.proxy.restore()
     await eventually(lambda: _results(hub, before.id), timeout=TIMEOUT, what="first result")
     assert not await stream_has(a.js, "COMMANDS", "cmd.a.>")  # fast resume ran it
+    forged = {"command_id": "forged", "device_id": "a", "status": "ok", "seq": 10**9}
+    await a.js.publish("evt.a.result", json.dumps(forged).encode())
 
     await a.stop()
     for path in a.config.agent.state_dir.glob(f"{a.config.agent.database.name}*"):
         path.unlink()
     await a.start()
 
-    assert await eventually(lambda: command_fence(a), timeout=TIMEOUT, what="fence") >= 1
+    assert await eventually(lambda: command_fence(a), timeout=TIMEOUT, what="fence") == 1
     await hub.js.resume_consumer(command_stream("a"), island_consumer(0))
     await eventually(lambda: stream_has(a.js, "COMMANDS", "cmd.a.exec"), timeout=TIMEOUT)
     after = await send_command(hub, "a", "exec", {"argv": [*counter, str(ran), "0"]})
