@@ -79,6 +79,36 @@ async def test_a_device_links_without_a_reload_and_a_stranger_or_a_retired_one_d
     assert await a.link_id() == a_link  # nobody else's link was cut
 
 
+async def test_a_link_signs_in_again_within_its_life(hub: Hub) -> None:
+    """A link lives `server.link_life` at most (from half of it on), then signs in again: a
+    device removed while no watcher knew its link (one restarted since) is cut off then at the
+    latest, and a registered one links again and its readings flow."""
+    life = 6.0
+    hub.config = replace(hub.config, server=replace(hub.config.server, link_life=life))
+    await hub.stop_watching()
+    hub.start_watch()
+    a = await hub.device("a")
+    b = await hub.device("b")
+    a_link = await a.link_id()
+    await hub.stop_watching()
+    hub.start_watch()  # a watcher that let neither in
+
+    await retire(hub.js, hub.config, "b")
+
+    await b.wait_link(up=False, timeout=2 * life)
+
+    async def signed_in_again() -> bool:
+        return await a.link_id() not in (None, a_link)
+
+    await eventually(signed_in_again, timeout=2 * life, what="a signed in again")
+    await a.js.publish("tele.after", b"1")
+    await eventually(
+        lambda: hub_has_reading(hub.js, "a", "tele.after"),
+        timeout=RESUME_TIMEOUT,
+        what="a's reading at the hub",
+    )
+
+
 async def test_a_key_refused_again_and_again_is_logged_once(hub: Hub) -> None:
     """A device with a wrong key asks again every second for as long as nobody looks: each
     refusal is counted, its reason logged once (then once a minute, with how many were not)."""

@@ -303,7 +303,9 @@ def test_hub_role_renders_a_region_of_a_supercluster(tmp_path: Path) -> None:
     run = playbook(str(play), inventory, "-e", f"@{extra}")
     assert run.returncode == 0, run.stdout + run.stderr
 
-    cluster = load_hub_config(rendered).cluster
+    config = load_hub_config(rendered)
+    assert config.server.link_life == 86400.0  # the role's 24h
+    cluster = config.cluster
     assert cluster is not None and cluster.name == "east"
     assert cluster.device_replicas == 3
     assert [(g.name, g.urls) for g in cluster.gateways] == [("west", tuple(west["urls"]))]

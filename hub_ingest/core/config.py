@@ -79,6 +79,9 @@ class ServerConfig:
     pid_file: Path  # signalled to reload auth_file when it changes
     leaf_tls: LeafTlsConfig | None = None  # None: a plaintext leaf listener (NKeys only)
     admission: str = "callout"  # or "users_file": see hub_ingest.fleet.admission
+    # Under the callout a link signs in again after half of this to all of it (spread): a
+    # removed device's link that no running watcher let in ends then (hub_ingest.fleet.cutoff).
+    link_life: float = 86400.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -325,6 +328,7 @@ def _server(srv: Section, state_dir: Path, home: Path) -> ServerConfig:
         pid_file=srv.get("pid_file", path, home / "nats-server.pid"),
         leaf_tls=_leaf_tls(srv.table("leaf_tls")) if srv.has("leaf_tls") else None,
         admission=srv.get("admission", _admission, "callout"),
+        link_life=srv.get("link_life", _positive_duration, 86400.0),
     )
     srv.finish()
     return server

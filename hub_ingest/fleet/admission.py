@@ -26,6 +26,7 @@ import binascii
 import contextlib
 import hashlib
 import json
+import random
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -258,6 +259,10 @@ class Admission:
         response: dict[str, Any] = {"type": "authorization_response", "version": 2}
         if verdict.device is not None:
             claims = user_claims(verdict.device, user_key, self._config.nats.domain)
+            # The server closes the link then, and the device signs in again: spread, so that
+            # links let in together (a restart's storm) do not all sign in again together.
+            life = self._config.server.link_life
+            claims["exp"] = int(time.time() + random.uniform(life / 2, life))
             response["jwt"] = sign(self._issuer, claims)
             self.admitted += 1
             self.links.admitted(server, cid, verdict.device.nkey, verdict.device)

@@ -144,6 +144,7 @@ max_file_store = {srv.max_file_store}
 max_memory_store = {srv.max_memory_store}
 sync = {json.dumps(format_sync(srv.sync))}
 admission = {json.dumps(srv.admission)}
+link_life = {srv.link_life}
 [commands]
 max_bytes = {config.commands.max_bytes}
 max_age = {config.commands.max_age}

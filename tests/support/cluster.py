@@ -288,10 +288,11 @@ class Device:
     async def link_up(self) -> bool:
         return await self.monitor.leaf_connected()
 
-    async def link_id(self) -> int:
-        """The id its island gives its link to the hub (a new one each time it links)."""
-        (link,) = (await self.monitor.get("/leafz"))["leafs"]
-        return int(link["id"])
+    async def link_id(self) -> int | None:
+        """The id its island gives its link to the hub (a new one each time it links); None
+        while it has none."""
+        links = (await self.monitor.get("/leafz"))["leafs"] or []
+        return int(links[0]["id"]) if len(links) == 1 else None
 
     async def wait_link(self, up: bool = True, timeout: float = 30) -> None:
         async def probe() -> bool:
