@@ -11,8 +11,9 @@ or refused, from the registry as it is now.
 
 A watcher knows only the links it admitted since it started (nats-server's ``/leafz`` does not
 say which key a link signed in with): a link let in before a watcher restart stays up until it
-drops, as every link does under ``server.admission = "users_file"``; restarting the hub's
-nats-server cuts every link (docs/security.md).
+drops or its life ends (``server.link_life``, the expiry of the answer that let it in), as
+every link does under ``server.admission = "users_file"`` until it drops; restarting the
+hub's nats-server cuts every link (docs/security.md).
 """
 
 from __future__ import annotations
