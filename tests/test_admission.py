@@ -18,9 +18,9 @@ from hub_ingest.fleet.admission import (
     REFRESH_S,
     Admission,
     claims_of,
+    granted,
     issuer_key,
     sign,
-    user_claims,
 )
 from hub_ingest.fleet.auth import new_seed, public_key, render_auth, write_auth
 from hub_ingest.fleet.cutoff import Links
@@ -187,7 +187,7 @@ def test_a_link_is_marked_for_cutting_when_its_device_is_removed_or_granted_othe
     """Which links the watcher has closed: a removed device's and one whose record now grants
     other permissions (another shard); not one whose record only gained an incarnation."""
     a, b, c = (Device.new(i, f"edge-{i}", 0, public_key(new_seed())) for i in "abc")
-    links = Links(lambda d: user_claims(d, "", "hub"))
+    links = Links(lambda d: granted(d, "hub"))
     for cid, device in enumerate((a, b, c)):
         links.admitted("server-1", cid, device.nkey, device)
     seen = Incarnation("TELEMETRY", "inc-1", "2026-12-01T00:00:00Z", 0)

@@ -131,6 +131,12 @@ def user_claims(device: Device, user_key: str, hub_domain: str) -> dict[str, Any
     }
 
 
+def granted(device: Device, hub_domain: str) -> str:
+    """A digest of what a link of `device` is let in with, whatever key the server made it."""
+    claims = user_claims(device, "", hub_domain)
+    return hashlib.sha256(json.dumps(claims, sort_keys=True).encode()).hexdigest()
+
+
 @dataclass(frozen=True, slots=True)
 class Verdict:
     device: Device | None  # None: refused
@@ -154,12 +160,8 @@ class Admission:
         self._reading: asyncio.Task[None] | None = None
         self.admitted = self.refused = 0
         self._refusals: dict[str, tuple[float, int]] = {}  # reason → (last logged, since)
-        self.links = Links(self._granted)
+        self.links = Links(lambda device: granted(device, config.nats.domain))
         self._cutter = Cutter(config, self.links)
-
-    def _granted(self, device: Device) -> dict[str, Any]:
-        """What a link of `device` is let in with, whatever key the server made it."""
-        return user_claims(device, "", self._config.nats.domain)
 
     async def refresh(self) -> None:
         """Read the registry again (what was written since the last read): the read under

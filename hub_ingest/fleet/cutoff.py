@@ -22,7 +22,6 @@ import json
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import nats
 import nats.errors
@@ -42,7 +41,8 @@ KEPT = 4
 KICK_TIMEOUT_S = 2.0
 _GONE = "no such client or leafnode id"  # nats-server's answer: the link closed by itself
 
-Grant = Callable[[Device], dict[str, Any]]  # what a device's link is let in with
+# What a device's link is let in with, as a digest (thousands of links are remembered).
+Grant = Callable[[Device], str]
 
 
 @dataclass(slots=True)
@@ -51,7 +51,7 @@ class Link:
     cid: int  # its connection id there
     key: str  # the device's key it signed in with
     device: Device  # the record it was let in from
-    granted: dict[str, Any]
+    granted: str
 
 
 class Links:
