@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import glob
 import json
+import os
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -19,8 +22,9 @@ from pyspark.sql import SparkSession
 
 from edge_agent.status.health import collect_status
 from hub_ingest.commands.send import Envelope
+from hub_ingest.local.fleet import write_hub_toml
 from tests.support.agent_process import AgentProcess
-from tests.support.cluster import Device, Hub, write_agent_config
+from tests.support.cluster import Device, Hub, hub_has_reading, start_hub, write_agent_config
 from tests.support.commands import results, send_command
 from tests.support.ingest import ingest_config, run_once, telemetry
 from tests.support.waiting import eventually
@@ -130,3 +134,34 @@ async def test_the_archive_labels_rows_of_a_device_with_a_wrong_clock(
     assert all(r["device_clock_offset_s"] < -0.99 * THREE_YEARS_S for r in by_device["a"])
     assert not any(r["device_time_suspect"] for r in by_device["b"])
     assert all(abs(r["device_clock_offset_s"]) < 60 for r in by_device["b"])
+
+
+async def test_a_hub_watcher_days_behind_lets_devices_in_for_their_whole_link_life(
+    tmp_path: Path,
+) -> None:
+    """The auth callout's answers expire by the hub server's clock (its request's), not by the
+    watcher's: `hub-ingest watch` two days behind lets a device in, and its link stays."""
+    hub = await start_hub(tmp_path, watching=False)
+    config = write_hub_toml(hub.config, tmp_path / "hub.toml")
+    with (tmp_path / "watch.log").open("wb") as out:
+        watch = subprocess.Popen(
+            [sys.executable, "-m", "hub_ingest", "-c", str(config), "watch"],
+            env={**os.environ, **_clock("-2d")},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        a = await hub.device("a")
+        await a.wait_link()
+        link = await a.link_id()
+        await a.js.publish("tele.clock", b"1")
+        await eventually(
+            lambda: hub_has_reading(hub.js, "a", "tele.clock"),
+            timeout=60,
+            what="a's reading at the hub",
+        )
+        assert await a.link_id() == link
+    finally:
+        watch.kill()
+        watch.wait()
+        await hub.close()

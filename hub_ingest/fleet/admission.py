@@ -253,8 +253,12 @@ class Admission:
         return Verdict(device, "registered")
 
     async def _answer(self, msg: Msg) -> None:
-        request = claims_of(msg.data.decode())["nats"]
+        asked = claims_of(msg.data.decode())
+        request = asked["nats"]
         user_key, server = request["user_nkey"], request["server_id"]["id"]
+        # By the server's clock, which decides when the answer expires: this node's may be
+        # off (a cluster node answers for the others).
+        now = int(asked.get("iat") or time.time())
         cid = int((request.get("client_info") or {}).get("id", 0))
         await self._fresh()
         verdict = self.decide(request)
@@ -264,7 +268,7 @@ class Admission:
             # The server closes the link then, and the device signs in again: spread, so that
             # links let in together (a restart's storm) do not all sign in again together.
             life = self._config.server.link_life
-            claims["exp"] = int(time.time() + random.uniform(life / 2, life))
+            claims["exp"] = int(now + random.uniform(life / 2, life))
             response["jwt"] = sign(self._issuer, claims)
             self.admitted += 1
             self.links.admitted(server, cid, verdict.device.nkey, verdict.device)
