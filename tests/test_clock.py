@@ -1,5 +1,6 @@
 """Wrong device clocks decide nothing alone: agents under libfaketime (Debian's `faketime`),
-one 3 years ahead and one a day behind, against a hub on the real clock.
+one 3 years ahead and one a day behind, against a hub on the real clock; and a hub watcher
+two days behind its server.
 
 libfaketime moves the agent's Python clock only: Go binaries such as the island's nats-server
 read the time without libc, so the island (and the store times it writes) keeps real time.
