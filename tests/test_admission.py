@@ -75,7 +75,7 @@ async def test_a_device_links_without_a_reload_and_a_stranger_or_a_retired_one_d
     # The watcher reads the registry every REFRESH_S: a removed key is let in no longer, and
     # the link it let in is cut (nats-server would keep it up for its life).
     await eventually(refused, timeout=3 * REFRESH_S, what="b's key refused once removed")
-    await b.wait_link(up=False, timeout=3 * REFRESH_S)
+    await b.wait_link(up=False, timeout=10 * REFRESH_S)
     assert await a.link_id() == a_link  # nobody else's link was cut
 
 
@@ -83,7 +83,7 @@ async def test_a_link_signs_in_again_within_its_life(hub: Hub) -> None:
     """A link lives `server.link_life` at most (from half of it on), then signs in again: a
     device removed while no watcher knew its link (one restarted since) is cut off then at the
     latest, and a registered one links again and its readings flow."""
-    life = 6.0
+    life = 10.0
     hub.config = replace(hub.config, server=replace(hub.config.server, link_life=life))
     await hub.stop_watching()
     hub.start_watch()
@@ -95,12 +95,12 @@ async def test_a_link_signs_in_again_within_its_life(hub: Hub) -> None:
 
     await retire(hub.js, hub.config, "b")
 
-    await b.wait_link(up=False, timeout=2 * life)
+    await b.wait_link(up=False, timeout=3 * life)
 
     async def signed_in_again() -> bool:
         return await a.link_id() not in (None, a_link)
 
-    await eventually(signed_in_again, timeout=2 * life, what="a signed in again")
+    await eventually(signed_in_again, timeout=3 * life, what="a signed in again")
     await a.js.publish("tele.after", b"1")
     await eventually(
         lambda: hub_has_reading(hub.js, "a", "tele.after"),

@@ -122,7 +122,7 @@ async def test_a_removed_devices_link_is_cut_whichever_node_it_is_on(
 
     await retire(cluster_hub.js, cluster_hub.config, "b")
 
-    await b.wait_link(up=False, timeout=10)
+    await b.wait_link(up=False, timeout=20)
     assert await a.link_id() == a_link
 
 
