@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 from dataclasses import replace
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +23,20 @@ from hub_ingest.fleet.admission import (
     issuer_key,
     sign,
 )
+from hub_ingest.fleet.admission_figures import (
+    STALE_S,
+    WRITE_S,
+    AdmissionFigures,
+    figure_warnings,
+    read_figures,
+)
 from hub_ingest.fleet.auth import new_seed, public_key, render_auth, write_auth
 from hub_ingest.fleet.cutoff import Links
 from hub_ingest.fleet.enrol import retire
-from hub_ingest.fleet.registry import Device, Incarnation
+from hub_ingest.fleet.registry import Device, Incarnation, Registry
 from hub_ingest.fleet.server import render_server_config
 from hub_ingest.local.fleet import loopback_hub_config
+from hub_ingest.report.collect import collect_report
 from tests.support.cluster import Hub, hub_has_reading, signs_in, stream_has
 from tests.support.waiting import RESUME_TIMEOUT, eventually
 
@@ -201,3 +210,32 @@ def test_a_link_is_marked_for_cutting_when_its_device_is_removed_or_granted_othe
     links.to_cut.clear()
     links.check({a.nkey: a})  # what b and c had is forgotten with their cut
     assert links.to_cut == {}
+
+
+async def test_the_report_shows_what_the_watchers_refused(hub: Hub) -> None:
+    """A refused connection is a device whose data does not arrive: `report --json` has each
+    watcher's figures and warns of the reasons seen lately."""
+    await hub.device("a")
+    stranger = new_seed()
+    assert not await signs_in(hub.url, stranger)
+
+    async def figures() -> list[AdmissionFigures]:
+        found = await read_figures(hub.js)
+        return found if found and found[0].refused and found[0].admitted else []
+
+    (written,) = await eventually(figures, timeout=3 * WRITE_S, what="figures with a refusal")
+    devices = await (await Registry.open(hub.js)).list()
+    report = (await collect_report(hub.nc, hub.config, devices, silent_after=60)).to_dict()
+    (shown,) = report["admission"]
+    assert shown["node"] == written.node and shown["refused"] >= 1 and shown["admitted"] >= 1
+    refusal = f"key {public_key(stranger)} is not registered"
+    assert any(refusal in w for w in report["warnings"]), report["warnings"]
+
+
+def test_a_watcher_that_stopped_writing_or_never_did_is_warned_of() -> None:
+    now = datetime.now(UTC)
+    old = (now - timedelta(seconds=2 * STALE_S)).isoformat()
+    stale = AdmissionFigures("hub-2", old, old, 5, 0, 0, {})
+    (warning,) = figure_warnings([stale], now)
+    assert "hub-ingest watch on node hub-2" in warning
+    assert "no hub-ingest watch" in figure_warnings([], now)[0]

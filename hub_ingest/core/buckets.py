@@ -10,6 +10,7 @@ from nats.js.kv import KeyValue
 
 COMMAND_INDEX = "FLEET_COMMAND_INDEX"  # hub_ingest.commands.index
 GAPS = "FLEET_GAPS"  # hub_ingest.fleet.refill
+ADMISSION = "FLEET_ADMISSION"  # hub_ingest.fleet.admission_figures
 
 
 async def open_bucket(

@@ -40,6 +40,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from hub_ingest.core.config import HubConfig
+from hub_ingest.fleet.admission_figures import WRITE_S, Tally, write_figures
 from hub_ingest.fleet.auth import derived_keys, device_permissions, devices_account
 from hub_ingest.fleet.cutoff import Cutter, Links
 from hub_ingest.fleet.registry import Device, Registry
@@ -158,7 +159,7 @@ class Admission:
         self._by_key: dict[str, Device] = {}
         self._read_at = -REFRESH_S  # when the last read of the registry began (monotonic)
         self._reading: asyncio.Task[None] | None = None
-        self.admitted = self.refused = 0
+        self.tally = Tally(config.server.server_name)
         self._refusals: dict[str, tuple[float, int]] = {}  # reason → (last logged, since)
         self.links = Links(lambda device: granted(device, config.nats.domain))
         self._cutter = Cutter(config, self.links)
@@ -201,11 +202,16 @@ class Admission:
         failing = ""  # the last refresh's error, logged once
         sub = await nc.subscribe(AUTH_SUBJECT, queue=QUEUE, cb=self._answer)
         log.info("admission_started", subject=AUTH_SUBJECT, queue=QUEUE)
+        written_at = -WRITE_S
         try:
             while not stop.is_set():
                 try:
                     await self.refresh()
                     await self._cutter.cut_marked()
+                    if time.monotonic() - written_at >= WRITE_S:
+                        figures = self.tally.figures(self.links.cut)
+                        await write_figures(self._js, figures, self._config.replicas)
+                        written_at = time.monotonic()
                     if failing:
                         log.info("admission_refresh_recovered")
                     failing = ""
@@ -235,7 +241,10 @@ class Admission:
                 self._refusals.clear()
         self._refusals[reason] = (now, 0)
         log.warning(
-            "connection_refused", reason=reason, refused=self.refused, not_logged_since=since
+            "connection_refused",
+            reason=reason,
+            refused=self.tally.refused,
+            not_logged_since=since,
         )
 
     def decide(self, request: dict[str, Any]) -> Verdict:
@@ -270,12 +279,12 @@ class Admission:
             life = self._config.server.link_life
             claims["exp"] = int(now + random.uniform(life / 2, life))
             response["jwt"] = sign(self._issuer, claims)
-            self.admitted += 1
+            self.tally.admitted += 1
             self.links.admitted(server, cid, verdict.device.nkey, verdict.device)
             log.debug("device_admitted", device_id=verdict.device.device_id, cid=cid)
         else:
             response["error"] = f"not admitted: {verdict.reason}"
-            self.refused += 1
+            self.tally.refusal(verdict.reason)
             self._log_refusal(verdict.reason)
         answer = sign(self._issuer, {"sub": user_key, "aud": server, "nats": response})
         await msg.respond(answer.encode())

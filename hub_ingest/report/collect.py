@@ -39,6 +39,7 @@ from hub_ingest.commands.index import (
     tally_subject,
 )
 from hub_ingest.core.config import HubConfig
+from hub_ingest.fleet.admission_figures import AdmissionFigures, figure_warnings, read_figures
 from hub_ingest.fleet.gaps import MirrorGaps, read_gaps
 from hub_ingest.fleet.registry import Device
 from hub_ingest.fleet.streams import AGGREGATES, mirror_name, stream_list
@@ -300,10 +301,17 @@ class Collection:
     fleet's report can be written out while the rest is still being read. `warnings` is
     complete once `devices` is exhausted."""
 
-    def __init__(self, fleet: _Fleet, devices: list[Device], warnings: list[str]) -> None:
+    def __init__(
+        self,
+        fleet: _Fleet,
+        devices: list[Device],
+        warnings: list[str],
+        admission: list[AdmissionFigures],
+    ) -> None:
         self.generated_at = format_time(fleet.now)
         self.silent_after_s = fleet.silent_after
         self.warnings = warnings
+        self.admission = admission
         self._fleet, self._devices = fleet, devices
 
     def header(self) -> dict[str, Any]:
@@ -316,7 +324,11 @@ class Collection:
     def finish(self, reports: Iterable[DeviceReport]) -> FleetReport:
         """The report of `reports`, read from `devices` to the end."""
         return FleetReport(
-            self.generated_at, self.silent_after_s, tuple(reports), tuple(self.warnings)
+            self.generated_at,
+            self.silent_after_s,
+            tuple(reports),
+            tuple(self.warnings),
+            tuple(self.admission),
         )
 
     async def report(self) -> FleetReport:
@@ -389,7 +401,11 @@ async def start_report(
     gaps = await read_gaps(js)
     tallies = await _tallies(api, devices)
     fleet = _Fleet(api, tallies, infos, gaps, leaves, forged, now, silent_after, heartbeats)
-    return Collection(fleet, devices, warnings)
+    admission: list[AdmissionFigures] = []
+    if config.server.admission == "callout":
+        admission = await read_figures(js)
+        warnings.extend(figure_warnings(admission, now))
+    return Collection(fleet, devices, warnings, admission)
 
 
 async def _tallies(api: HubApi, devices: Iterable[Device]) -> dict[str, Tally]:

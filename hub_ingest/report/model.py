@@ -10,6 +10,7 @@ from datetime import datetime
 from typing import Any
 
 from edge_agent.protocol.units import parse_time
+from hub_ingest.fleet.admission_figures import AdmissionFigures
 from hub_ingest.fleet.gaps import MirrorGaps
 from hub_ingest.fleet.registry import Incarnation
 
@@ -162,6 +163,8 @@ class FleetReport:
     silent_after_s: float
     devices: tuple[DeviceReport, ...]
     warnings: tuple[str, ...] = field(default=())
+    # Under the auth callout: what each node's watcher let in, refused and cut.
+    admission: tuple[AdmissionFigures, ...] = field(default=())
 
     @property
     def flagged(self) -> bool:
@@ -197,4 +200,5 @@ class FleetReport:
             "flagged": self.flagged,
             "totals": asdict(self.totals),
             "warnings": list(self.warnings),
+            "admission": [asdict(f) for f in self.admission],
         }

@@ -1,0 +1,137 @@
+"""What each node's watcher let in, refused and cut, where `report` reads it.
+
+Under the auth callout a refused connection is a device whose data does not arrive, and only
+the watcher that answered knows why. Each watcher writes what it did since it started to the
+``FLEET_ADMISSION`` bucket under its node's name every `WRITE_S`. `report --json` shows the
+figures (``admission``) and warns of refusals seen in the last `RECENT_S`, and of figures not
+written for `STALE_S`: a watcher that is not running, and if none is, no device links.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from datetime import datetime
+
+from nats.js import JetStreamContext
+from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NotFoundError
+
+from edge_agent.protocol.units import parse_time, utc_now_iso
+from hub_ingest.core.buckets import ADMISSION, bucket_keys, open_bucket
+
+WRITE_S = 10.0
+STALE_S = 60.0
+RECENT_S = 3600.0
+_REASONS_KEPT = 1000  # a stranger may try a new key each time
+_REASONS_WARNED = 5  # a node's most frequent recent reasons, in the report's warnings
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    count: int
+    last_at: str  # UTC, RFC 3339
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionFigures:
+    """One node's watcher, since it started."""
+
+    node: str
+    since: str
+    at: str  # when it wrote these
+    admitted: int
+    refused: int
+    cut: int  # links of devices removed or granted otherwise (`hub_ingest.fleet.cutoff`)
+    refusals: dict[str, Refused]  # by reason
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> AdmissionFigures:
+        raw = json.loads(data)
+        refusals = {reason: Refused(**r) for reason, r in raw.pop("refusals").items()}
+        return cls(**raw, refusals=refusals)
+
+
+class Tally:
+    """The running watcher's figures."""
+
+    def __init__(self, node: str) -> None:
+        self.node, self.since = node, utc_now_iso()
+        self.admitted = self.refused = 0
+        self._refusals: dict[str, Refused] = {}
+
+    def refusal(self, reason: str) -> None:
+        if reason not in self._refusals and len(self._refusals) >= _REASONS_KEPT:
+            oldest = min(self._refusals, key=lambda r: self._refusals[r].last_at)
+            del self._refusals[oldest]
+        count = self._refusals[reason].count if reason in self._refusals else 0
+        self._refusals[reason] = Refused(count + 1, utc_now_iso())
+        self.refused += 1
+
+    def figures(self, cut: int) -> AdmissionFigures:
+        return AdmissionFigures(
+            self.node,
+            self.since,
+            utc_now_iso(),
+            self.admitted,
+            self.refused,
+            cut,
+            dict(self._refusals),
+        )
+
+
+async def write_figures(js: JetStreamContext, figures: AdmissionFigures, replicas: int) -> None:
+    bucket = await open_bucket(js, ADMISSION, replicas=replicas)
+    await bucket.put(figures.node, figures.to_json())
+
+
+async def read_figures(js: JetStreamContext) -> list[AdmissionFigures]:
+    """Every node's figures, by node (none before a watcher under the callout wrote any)."""
+    try:
+        bucket = await js.key_value(ADMISSION)
+        nodes = await bucket_keys(js, ADMISSION)
+    except (BucketNotFoundError, NotFoundError):  # no watcher wrote any yet
+        return []
+    found = []
+    for node in nodes:
+        try:
+            entry = await bucket.get(node)
+        except KeyNotFoundError:
+            continue
+        if entry.value:
+            found.append(AdmissionFigures.from_json(entry.value))
+    return found
+
+
+def figure_warnings(figures: list[AdmissionFigures], now: datetime) -> list[str]:
+    """The refusals of the last `RECENT_S`, most frequent first, and the watchers that stopped
+    writing; with no figures at all, that no watcher has answered."""
+    if not figures:
+        return [
+            "no hub-ingest watch has written its admission figures: under the auth callout "
+            "no device links while none runs"
+        ]
+    warnings = []
+    for f in figures:
+        written = parse_time(f.at)
+        if written is None or (now - written).total_seconds() > STALE_S:
+            warnings.append(
+                f"hub-ingest watch on node {f.node} last wrote its admission figures at {f.at}: "
+                "is it running? (under the auth callout no device links while none runs)"
+            )
+        recent = [
+            (reason, r)
+            for reason, r in f.refusals.items()
+            if (seen := parse_time(r.last_at)) and (now - seen).total_seconds() <= RECENT_S
+        ]
+        recent.sort(key=lambda item: -item[1].count)
+        for reason, r in recent[:_REASONS_WARNED]:
+            warnings.append(
+                f"node {f.node} refused connections: {reason} ({r.count} times since {f.since}, "
+                f"last at {r.last_at})"
+            )
+        if len(recent) > _REASONS_WARNED:
+            warnings.append(f"node {f.node}: {len(recent) - _REASONS_WARNED} more refusal reasons")
+    return warnings
