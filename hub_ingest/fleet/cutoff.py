@@ -75,7 +75,7 @@ class Links:
             if device is None:
                 del self._by_key[key]
                 self._mark(links, "removed")
-            elif any(link.device is not device for link in links):  # unchanged: the same record
+            elif any(link.device is not device for link in links):  # a record read since
                 kept: deque[Link] = deque(maxlen=KEPT)
                 for link in links:
                     if self._holds(link, device):
