@@ -79,9 +79,7 @@ class ServerConfig:
     pid_file: Path  # signalled to reload auth_file when it changes
     leaf_tls: LeafTlsConfig | None = None  # None: a plaintext leaf listener (NKeys only)
     admission: str = "callout"  # or "users_file": see hub_ingest.fleet.admission
-    # Under the callout a link signs in again after half of this to all of it (spread): a
-    # removed device's link that no running watcher let in ends then (hub_ingest.fleet.cutoff).
-    link_life: float = 86400.0
+    link_life: float = 86400.0  # callout: a link signs in again within it (fleet.cutoff)
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,8 +171,7 @@ class HubConfig:
         return tuple(n.server for n in self.cluster.nodes) if self.cluster else (self.server,)
 
     def for_node(self, name: str | None) -> HubConfig:
-        """This config as seen by node `name` (its ``server`` is that node's); a hub without
-        a cluster has one server and takes no node name."""
+        """This config as node `name` sees it (its ``server``); a hub without a cluster has none."""
         if self.cluster is None:
             if name is not None:
                 raise ConfigError(f"--node {name}: the hub config has no [cluster]")
@@ -186,8 +183,7 @@ class HubConfig:
 
 
 def _listen(value: object) -> str:
-    host, port = host_port(value, loopback=False)
-    return f"{host}:{port}"
+    return "{}:{}".format(*host_port(value, loopback=False))
 
 
 def _limit_size(value: object) -> int:
