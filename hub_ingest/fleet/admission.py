@@ -210,7 +210,7 @@ class Admission:
                     await self._cutter.cut_marked()
                     if time.monotonic() - written_at >= WRITE_S:
                         figures = self.tally.figures(self.links.cut)
-                        await write_figures(self._js, figures, self._config.replicas)
+                        await write_figures(self._js, figures)
                         written_at = time.monotonic()
                     if failing:
                         log.info("admission_refresh_recovered")

@@ -17,7 +17,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NotFoundError
 
 from edge_agent.protocol.units import parse_time, utc_now_iso
-from hub_ingest.core.buckets import ADMISSION, bucket_keys, open_bucket
+from hub_ingest.core.buckets import ADMISSION, bucket_keys
 
 WRITE_S = 10.0
 STALE_S = 60.0
@@ -82,8 +82,13 @@ class Tally:
         )
 
 
-async def write_figures(js: JetStreamContext, figures: AdmissionFigures, replicas: int) -> None:
-    bucket = await open_bucket(js, ADMISSION, replicas=replicas)
+async def write_figures(js: JetStreamContext, figures: AdmissionFigures) -> None:
+    """Into the bucket `provision` makes (with every node up, as the other buckets: made
+    while a node is down, a replica group can be left without a leader); none: not written."""
+    try:
+        bucket = await js.key_value(ADMISSION)
+    except BucketNotFoundError:
+        return
     await bucket.put(figures.node, figures.to_json())
 
 
@@ -110,8 +115,9 @@ def figure_warnings(figures: list[AdmissionFigures], now: datetime) -> list[str]
     writing; with no figures at all, that no watcher has answered."""
     if not figures:
         return [
-            "no hub-ingest watch has written its admission figures: under the auth callout "
-            "no device links while none runs"
+            "no hub-ingest watch has written its admission figures (or `hub-ingest provision` "
+            "has not run since the upgrade): under the auth callout no device links while "
+            "none runs"
         ]
     warnings = []
     for f in figures:

@@ -60,7 +60,7 @@ from edge_agent.protocol.reconcile import (
 )
 from edge_agent.protocol.release import RELEASES_BUCKET, ROLLOUT_BUCKET
 from edge_agent.protocol.units import parse_time
-from hub_ingest.core.buckets import COMMAND_INDEX, GAPS, bucket_stream, open_bucket
+from hub_ingest.core.buckets import ADMISSION, COMMAND_INDEX, GAPS, bucket_stream, open_bucket
 from hub_ingest.core.config import HubConfig
 from hub_ingest.core.errors import ProvisionError
 from hub_ingest.core.gather import REQUESTS_AT_ONCE, gather_bounded
@@ -84,6 +84,7 @@ COMMAND_DEDUP_WINDOW = 600.0  # seconds
 REGISTRY_STREAM = bucket_stream(BUCKET)
 INDEX_STREAM = bucket_stream(COMMAND_INDEX)
 GAPS_STREAM = bucket_stream(GAPS)
+ADMISSION_STREAM = bucket_stream(ADMISSION)
 
 
 def mirror_metadata(device_id: str, incarnation: Incarnation) -> dict[str, str]:
@@ -295,7 +296,7 @@ def aggregate_streams(
     return streams
 
 
-_BUCKET_STREAMS = (REGISTRY_STREAM, INDEX_STREAM, GAPS_STREAM)
+_BUCKET_STREAMS = (REGISTRY_STREAM, INDEX_STREAM, GAPS_STREAM, ADMISSION_STREAM)
 _RELEASE_STREAMS = (bucket_stream(ROLLOUT_BUCKET), f"OBJ_{RELEASES_BUCKET}")
 
 
@@ -394,7 +395,7 @@ async def _provision_once(
         await gather_bounded(
             [
                 open_bucket(js, bucket, replicas=config.replicas, direct=direct)
-                for bucket, direct in ((COMMAND_INDEX, True), (GAPS, False))
+                for bucket, direct in ((COMMAND_INDEX, True), (GAPS, False), (ADMISSION, False))
                 if read.get(bucket_stream(bucket)) is None
             ],
             REQUESTS_AT_ONCE,
