@@ -129,17 +129,19 @@ async def _last_answered(js: JetStreamContext, subject: str) -> int:
     """The highest command sequence answered on `subject` in the island's ``EVENTS``."""
     config = ConsumerConfig(ack_policy=AckPolicy.NONE, mem_storage=True, inactive_threshold=60.0)
     sub = await js.pull_subscribe(subject, stream=EVENTS, config=config)
-    highest = 0
+    highest, name = 0, None
     try:
-        pending = (await sub.consumer_info()).num_pending or 0
+        info = await sub.consumer_info()
+        name, pending = info.name, info.num_pending or 0
         while pending > 0:
             batch = await sub.fetch(min(pending, _BATCH), timeout=5.0)
             highest = max([highest, *(_answered_seq(m.data) for m in batch)])
             pending = batch[-1].metadata.num_pending or 0
     finally:
         await sub.unsubscribe()
-        with contextlib.suppress(nats.errors.Error, APIError):
-            await js.delete_consumer(EVENTS, (await sub.consumer_info()).name)
+        if name is not None:
+            with contextlib.suppress(nats.errors.Error, APIError):
+                await js.delete_consumer(EVENTS, name)
     return highest
 
 

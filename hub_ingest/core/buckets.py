@@ -1,11 +1,13 @@
-"""The hub's key-value buckets (the registry, the command index, the gaps) as the server
-stores them: one definition of their names and of how each is made."""
+"""The hub's key-value buckets (the registry, the command index, the gaps, the admission
+figures) as the server stores them: one definition of their names and of how each is made."""
 
 from __future__ import annotations
 
+import contextlib
+
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, StorageType
-from nats.js.errors import BucketNotFoundError
+from nats.js.errors import BucketNotFoundError, KeyNotFoundError
 from nats.js.kv import KeyValue
 
 COMMAND_INDEX = "FLEET_COMMAND_INDEX"  # hub_ingest.commands.index
@@ -45,3 +47,19 @@ async def bucket_keys(js: JetStreamContext, bucket: str, pattern: str = ">") -> 
     prefix = f"$KV.{bucket}."
     info = await js.stream_info(bucket_stream(bucket), subjects_filter=prefix + pattern)
     return [subject.removeprefix(prefix) for subject in sorted(info.state.subjects or {})]
+
+
+async def bucket_values(js: JetStreamContext, bucket: str) -> dict[str, bytes]:
+    """Every key's value in `bucket`, by key, sorted ({} before the bucket is made); a key
+    deleted or purged is left out."""
+    try:
+        kv = await js.key_value(bucket)
+    except BucketNotFoundError:
+        return {}
+    found = {}
+    for key in await bucket_keys(js, bucket):
+        with contextlib.suppress(KeyNotFoundError):
+            entry = await kv.get(key)
+            if entry.value:
+                found[key] = entry.value
+    return found

@@ -14,10 +14,10 @@ from dataclasses import asdict, dataclass
 from datetime import datetime
 
 from nats.js import JetStreamContext
-from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NotFoundError
+from nats.js.errors import BucketNotFoundError
 
 from edge_agent.protocol.units import parse_time, utc_now_iso
-from hub_ingest.core.buckets import ADMISSION, bucket_keys
+from hub_ingest.core.buckets import ADMISSION, bucket_values
 
 WRITE_S = 10.0
 STALE_S = 60.0
@@ -93,21 +93,9 @@ async def write_figures(js: JetStreamContext, figures: AdmissionFigures) -> None
 
 
 async def read_figures(js: JetStreamContext) -> list[AdmissionFigures]:
-    """Every node's figures, by node (none before a watcher under the callout wrote any)."""
-    try:
-        bucket = await js.key_value(ADMISSION)
-        nodes = await bucket_keys(js, ADMISSION)
-    except (BucketNotFoundError, NotFoundError):  # no watcher wrote any yet
-        return []
-    found = []
-    for node in nodes:
-        try:
-            entry = await bucket.get(node)
-        except KeyNotFoundError:
-            continue
-        if entry.value:
-            found.append(AdmissionFigures.from_json(entry.value))
-    return found
+    """Every node's figures, by node (none before `provision` made the bucket)."""
+    stored = await bucket_values(js, ADMISSION)
+    return [AdmissionFigures.from_json(value) for value in stored.values()]
 
 
 def figure_warnings(figures: list[AdmissionFigures], now: datetime) -> list[str]:

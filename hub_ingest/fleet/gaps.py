@@ -11,7 +11,6 @@ provision, the ingest's columns, `report` and `audit`.
 
 from __future__ import annotations
 
-import contextlib
 import json
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
@@ -25,10 +24,9 @@ from nats.js.api import (
     StreamSource,
     SubjectTransform,
 )
-from nats.js.errors import BucketNotFoundError, KeyNotFoundError
 
 from edge_agent.protocol.pack import PACK_HEADER, pack_range
-from hub_ingest.core.buckets import GAPS, bucket_keys
+from hub_ingest.core.buckets import GAPS, bucket_values
 from hub_ingest.core.config import HubConfig
 from hub_ingest.fleet.registry import Device, Incarnation, Registry
 from hub_ingest.fleet.streams import mirror_name
@@ -153,17 +151,8 @@ class MirrorGaps:
 
 async def read_gaps(js: JetStreamContext) -> dict[str, MirrorGaps]:
     """Every mirror's record, by mirror name ({} before the first gap)."""
-    try:
-        kv = await js.key_value(BUCKET)
-    except BucketNotFoundError:
-        return {}
-    found = {}
-    for key in await bucket_keys(js, BUCKET):
-        with contextlib.suppress(KeyNotFoundError):
-            entry = await kv.get(key)
-            if entry.value:
-                found[key] = MirrorGaps.from_json(entry.value)
-    return found
+    stored = await bucket_values(js, BUCKET)
+    return {mirror: MirrorGaps.from_json(value) for mirror, value in stored.items()}
 
 
 @dataclass(frozen=True, slots=True)
