@@ -195,6 +195,9 @@ class Hub(LocalHub):
         if start:
             await device.start()
         if register_when_ready and start:
+            # Provision sees a device's streams through its link: under the auth callout the
+            # first try can be refused while the watcher's registry read lags the enrolment.
+            await device.wait_link()
             await self.provision()
         self.devices.append(device)
         return device
