@@ -184,12 +184,12 @@ def _dead_letter(config: Config, args: argparse.Namespace) -> int:
 
 async def _sampled_status(config: Config) -> Status:
     """The status; while a backlog drains, sampled twice a second apart for its rate."""
-    first = await collect_status(config)
+    first = await collect_status(config, ask_hub=True)
     draining = any(s.uplink and s.uplink.backlog_messages for s in first.streams.values())
     if not (draining and first.link.up):
         return first
     await asyncio.sleep(1.0)  # the sampling interval of the drain rate
-    return with_drain_rates(await collect_status(config), first)
+    return with_drain_rates(await collect_status(config, ask_hub=True), first)
 
 
 def _status(config: Config, as_json: bool, require_link: bool, prometheus: bool) -> int:

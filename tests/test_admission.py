@@ -3,7 +3,9 @@ default): enrolment without a reload, and nobody let in the users file would hav
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import json
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -14,6 +16,8 @@ import pytest
 import structlog
 
 from edge_agent.island.server import read_seed
+from edge_agent.status.health import TURNED_AWAY_S, collect_status, render_status
+from hub_ingest.core.buckets import LINKS, bucket_stream, bucket_values
 from hub_ingest.core.errors import ConfigError
 from hub_ingest.fleet.admission import (
     REFRESH_S,
@@ -31,7 +35,7 @@ from hub_ingest.fleet.admission_figures import (
     read_figures,
 )
 from hub_ingest.fleet.auth import new_seed, public_key, render_auth, write_auth
-from hub_ingest.fleet.cutoff import Links
+from hub_ingest.fleet.cutoff import KEPT, Links
 from hub_ingest.fleet.enrol import retire
 from hub_ingest.fleet.registry import Device, Incarnation, Registry
 from hub_ingest.fleet.server import render_server_config
@@ -88,10 +92,42 @@ async def test_a_device_links_without_a_reload_and_a_stranger_or_a_retired_one_d
     assert await a.link_id() == a_link  # nobody else's link was cut
 
 
+async def _links_saved(hub: Hub, *devices: Device) -> bool:
+    saved = await bucket_values(hub.js, LINKS)
+    return all(d.nkey in saved for d in devices)
+
+
+async def test_a_watcher_started_since_cuts_a_link_it_did_not_let_in(hub: Hub) -> None:
+    """The watchers keep the links they let in in ``FLEET_LINKS``: one killed and started
+    again (or another node's) cuts a removed device's link within seconds, not at the end of
+    the link's life (a day by default)."""
+    a = await hub.device("a")
+    b = await hub.device("b")
+    a_link = await a.link_id()
+    registry = await Registry.open(hub.js)
+    devices = [await registry.get(d) for d in ("a", "b")]
+    await eventually(lambda: _links_saved(hub, *devices), timeout=10, what="links saved")
+    for watcher in hub.watchers:  # killed, not stopped: nothing more is written
+        watcher.cancel()
+    await asyncio.gather(*hub.watchers, return_exceptions=True)
+    hub.watchers.clear()
+    hub.start_watch()
+
+    await retire(hub.js, hub.config, "b")
+
+    await b.wait_link(up=False, timeout=10 * REFRESH_S)
+    assert await a.link_id() == a_link  # a's link is let be
+    await eventually(
+        lambda: _links_saved(hub, devices[0]), timeout=10, what="a's links still saved"
+    )
+    assert devices[1].nkey not in await bucket_values(hub.js, LINKS)  # b's went with it
+
+
 async def test_a_link_signs_in_again_within_its_life(hub: Hub) -> None:
     """A link lives `server.link_life` at most (from half of it on), then signs in again: a
-    device removed while no watcher knew its link (one restarted since) is cut off then at the
-    latest, and a registered one links again and its readings flow."""
+    device removed while no watcher knew its link (its record lost, as when a watcher is
+    killed in the second after it let the link in) is cut off then at the latest, and a
+    registered one links again and its readings flow."""
     life = 10.0
     hub.config = replace(hub.config, server=replace(hub.config.server, link_life=life))
     await hub.stop_watching()
@@ -100,7 +136,8 @@ async def test_a_link_signs_in_again_within_its_life(hub: Hub) -> None:
     b = await hub.device("b")
     a_link = await a.link_id()
     await hub.stop_watching()
-    hub.start_watch()  # a watcher that let neither in
+    await hub.js.purge_stream(bucket_stream(LINKS))
+    hub.start_watch()  # a watcher that knows neither link
 
     await retire(hub.js, hub.config, "b")
 
@@ -116,6 +153,34 @@ async def test_a_link_signs_in_again_within_its_life(hub: Hub) -> None:
         timeout=RESUME_TIMEOUT,
         what="a's reading at the hub",
     )
+
+
+async def test_a_device_turned_away_is_told_from_one_with_no_network(hub: Hub) -> None:
+    """With its link down, ``edge-agent status`` asks whether the hub answers: a device whose
+    key was removed sees it answer and, after `TURNED_AWAY_S`, a problem saying it is turned
+    away; one whose network is gone (its link proxy cut) sees no answer and no such problem."""
+    a = await hub.device("a")
+    b = await hub.device("b")
+    a.proxy.cut()
+    await retire(hub.js, hub.config, "b")
+    await a.wait_link(up=False)
+    await b.wait_link(up=False, timeout=10 * REFRESH_S)
+
+    offline = await collect_status(a.config, ask_hub=True)
+    assert offline.hub is not None and not offline.hub.answered, offline.hub
+    refused = await collect_status(b.config, ask_hub=True)
+    assert refused.hub is not None and refused.hub.answered, refused.hub
+    assert refused.hub.server == hub.config.server.server_name
+    assert refused.to_dict()["hub"]["answered"] is True
+
+    async def turned_away() -> bool:
+        status = await collect_status(b.config, ask_hub=True)
+        return any("the hub refuses this device" in p for p in status.problems)
+
+    await eventually(turned_away, timeout=TURNED_AWAY_S + 30, what="b told it is turned away")
+    offline = await collect_status(a.config, ask_hub=True)
+    assert not any("refuses" in p for p in offline.problems), offline.problems
+    assert "no answer" in render_status(offline)
 
 
 async def test_a_key_refused_again_and_again_is_logged_once(hub: Hub) -> None:
@@ -210,6 +275,32 @@ def test_a_link_is_marked_for_cutting_when_its_device_is_removed_or_granted_othe
     links.to_cut.clear()
     links.check({a.nkey: a})  # what b and c had is forgotten with their cut
     assert links.to_cut == {}
+
+
+def test_links_read_back_are_cut_as_the_links_a_watcher_let_in() -> None:
+    """A watcher that reads the links others let in (`Links.restore`) cuts a removed
+    device's and one granted otherwise, lets one granted the same be, and keeps the newest."""
+    a, b, c = (Device.new(i, f"edge-{i}", 0, public_key(new_seed())) for i in "abc")
+    before = Links(lambda d: granted(d, "hub"))
+    for cid, device in enumerate((a, b, c, a, a, a, a)):
+        before.admitted("server-1", cid, device.nkey, device)
+    saved = {d.nkey: before.saved(d.nkey) for d in (a, b, c)}
+    assert len(json.loads(saved[a.nkey])) == KEPT
+    after = Links(lambda d: granted(d, "hub"))
+    after.admitted("server-2", 0, a.nkey, a)  # a signed in again since
+    for key, value in saved.items():
+        after.restore(key, value)
+
+    after.check({a.nkey: a, c.nkey: replace(c, shard=1)})
+
+    assert {(where, reason) for where, (_, reason) in after.to_cut.items()} == {
+        (("server-1", 1), "removed"),
+        (("server-1", 2), "changed"),
+    }
+    assert [link["server"] for link in json.loads(after.saved(a.nkey))] == ["server-1"] * (
+        KEPT - 1
+    ) + ["server-2"]
+    assert after.saved(b.nkey) == b"" and after.unsaved >= {b.nkey, c.nkey}
 
 
 async def test_the_report_shows_what_the_watchers_refused(hub: Hub) -> None:

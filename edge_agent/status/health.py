@@ -32,10 +32,14 @@ from edge_agent.protocol.monitor import Monitor
 from edge_agent.protocol.names import COMMAND_MIRROR, EVENTS, INCARNATION, TELEMETRY, hub_consumer
 from edge_agent.protocol.pack import PACK_SUBJECT, READINGS
 from edge_agent.protocol.units import parse_time, utc_now_iso
+from edge_agent.status.reach import HubReach, reach_hub
 
 log = structlog.get_logger(__name__)
 
 BUDGET_WARN_PCT = 90.0
+# A link down this long while the hub answers is not a reconnect under way (the island tries
+# every `hub.reconnect`): the hub turns the device away, or cannot take it now.
+TURNED_AWAY_S = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +106,8 @@ class Status:
     # Times the agent found a hub mirror's consumer stuck and had it bound afresh (`unstall`):
     # nothing was lost, the mirror took what it lacked after each.
     uplink_unstalled: int = 0
+    # With the link down, whether the hub answered (`reach`): asked by ``edge-agent status``.
+    hub: HubReach | None = None
 
     @property
     def healthy(self) -> bool:
@@ -221,8 +227,44 @@ def _local_state(config: Config) -> tuple[OutboxStats, CommandStats] | None:
         return None
 
 
-async def collect_status(config: Config, monitor: Monitor | None = None) -> Status:
-    """Read the island's state into a `Status`; never raises for an island that is down."""
+def _device_problems(config: Config, box: OutboxStats | None, damaged: list[str]) -> list[str]:
+    """What the agent's own files say is wrong: its outbox and the streams it set aside."""
+    problems = []
+    if box and box.bytes >= box.max_bytes * BUDGET_WARN_PCT / 100:
+        problems.append(f"outbox at {box.bytes} of {box.max_bytes} bytes")
+    if damaged:
+        problems.append(
+            f"{len(damaged)} damaged island streams set aside in {quarantine_dir(config)} "
+            f"(what they held that had not reached the hub is lost)"
+        )
+    if box and box.dead_letters:
+        problems.append(
+            f"{box.dead_letters} outbox rows refused by the island for good "
+            f"(edge-agent dead-letter list)"
+        )
+    return problems
+
+
+def _turned_away(reach: HubReach, since: str | None) -> str | None:
+    """The problem of a link down for `TURNED_AWAY_S` or more while the hub answers."""
+    went = parse_time(since) if since else None
+    if not reach.answered or went is None:
+        return None
+    down_s = time.time() - went.timestamp()
+    if down_s < TURNED_AWAY_S:
+        return None
+    return (
+        f"leaf link down for {down_s:.0f}s while the hub answers at {reach.url} (server "
+        f"{reach.server or '?'}): the hub refuses this device (its key removed or not "
+        f"registered: `hub-ingest report` lists the refusals) or cannot take the link now"
+    )
+
+
+async def collect_status(
+    config: Config, monitor: Monitor | None = None, *, ask_hub: bool = False
+) -> Status:
+    """Read the island's state into a `Status`; never raises for an island that is down. With
+    `ask_hub`, a link that is down is told apart from a hub that is unreachable (`reach`)."""
     monitor = monitor or Monitor(config.island.monitor_url)
     saved = read_json(link_path(config))
     clock = (read_json(clock_path(config)) or {}).get("offset_s")
@@ -267,21 +309,14 @@ async def collect_status(config: Config, monitor: Monitor | None = None) -> Stat
             streams[READINGS] = replace(readings, incarnation=packs.incarnation)
         else:
             problems.append(f"stream {READINGS} missing")
+    hub = await reach_hub(config.hub.urls) if ask_hub and not leaf_up else None
+    if hub and (turned_away := _turned_away(hub, since)):
+        problems.append(turned_away)
     mirror = _mirror_status(by_name[COMMAND_MIRROR]) if COMMAND_MIRROR in by_name else None
     if mirror and mirror.error and leaf_up:
         problems.append(f"command mirror error: {mirror.error}")
-    if box and box.bytes >= box.max_bytes * BUDGET_WARN_PCT / 100:
-        problems.append(f"outbox at {box.bytes} of {box.max_bytes} bytes")
-    if damaged := quarantined(config):
-        problems.append(
-            f"{len(damaged)} damaged island streams set aside in {quarantine_dir(config)} "
-            f"(what they held that had not reached the hub is lost)"
-        )
-    if box and box.dead_letters:
-        problems.append(
-            f"{box.dead_letters} outbox rows refused by the island for good "
-            f"(edge-agent dead-letter list)"
-        )
+    damaged = quarantined(config)
+    problems += _device_problems(config, box, damaged)
     return Status(
         device_id=config.device_id,
         island_up=healthz.get("status") == "ok",
@@ -295,6 +330,7 @@ async def collect_status(config: Config, monitor: Monitor | None = None) -> Stat
         clock_offset_s=offset,
         quarantined=damaged,
         uplink_unstalled=unstalled(config),
+        hub=hub,
     )
 
 
@@ -316,6 +352,9 @@ def render_status(status: Status) -> str:
         f"island      {'up' if status.island_up else 'DOWN'}",
         f"link        {link}" + (f" since {status.link.since}" if status.link.since else ""),
     ]
+    if (hub := status.hub) is not None:
+        said = f"answers ({hub.server or 'unnamed'})" if hub.answered else f"no answer: {hub.error}"
+        lines.append(f"hub         {hub.url or '-'} {said}")
     if status.streams:
         lines.append(f"{'stream':<12}{'messages':>10}{'bytes':>12}{'budget':>8}{'dropped':>9}")
         for s in status.streams.values():

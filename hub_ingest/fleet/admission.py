@@ -42,7 +42,7 @@ from nats.js import JetStreamContext
 from hub_ingest.core.config import HubConfig
 from hub_ingest.fleet.admission_figures import WRITE_S, Tally, write_figures
 from hub_ingest.fleet.auth import derived_keys, device_permissions, devices_account
-from hub_ingest.fleet.cutoff import Cutter, Links
+from hub_ingest.fleet.cutoff import Cutter, Links, load_links, save_links
 from hub_ingest.fleet.registry import Device, Registry
 
 log = structlog.get_logger(__name__)
@@ -203,11 +203,16 @@ class Admission:
         sub = await nc.subscribe(AUTH_SUBJECT, queue=QUEUE, cb=self._answer)
         log.info("admission_started", subject=AUTH_SUBJECT, queue=QUEUE)
         written_at = -WRITE_S
+        loaded = False  # the links the watchers let in before
         try:
             while not stop.is_set():
                 try:
+                    if not loaded:
+                        await load_links(self._js, self.links)
+                        loaded = True
                     await self.refresh()
                     await self._cutter.cut_marked()
+                    await save_links(self._js, self.links)
                     if time.monotonic() - written_at >= WRITE_S:
                         figures = self.tally.figures(self.links.cut)
                         await write_figures(self._js, figures)

@@ -9,11 +9,14 @@ the link (the system account's ``$SYS.REQ.SERVER.<id>.KICK``, signed in as the s
 derived from the operators' seed, `auth.system_user`). The device dials again and is let in,
 or refused, from the registry as it is now.
 
-A watcher knows only the links it admitted since it started (nats-server's ``/leafz`` does not
-say which key a link signed in with): a link let in before a watcher restart stays up until it
-drops or its life ends (``server.link_life``, the expiry of the answer that let it in), as
-every link does under ``server.admission = "users_file"`` until it drops; restarting the
-hub's nats-server cuts every link (docs/security.md).
+nats-server's ``/leafz`` does not say which key a link signed in with, so the watchers keep
+what they let in in the ``FLEET_LINKS`` bucket (a device's key: its last `KEPT` links),
+written every second (`save_links`), and a watcher that starts reads it (`load_links`): a
+restarted watcher, or another node's, cuts a link it did not let in. A link let in in the
+second before its watcher was killed is not in the bucket; it stays up until it drops or its
+life ends (``server.link_life``, the expiry of the answer that let it in), as every link does
+under ``server.admission = "users_file"`` until it drops; restarting the hub's nats-server cuts
+every link (docs/security.md).
 """
 
 from __future__ import annotations
@@ -27,9 +30,13 @@ import nats
 import nats.errors
 import structlog
 from nats.aio.client import Client
+from nats.js import JetStreamContext
+from nats.js.errors import BucketNotFoundError
 
+from hub_ingest.core.buckets import LINKS, bucket_values
 from hub_ingest.core.config import HubConfig
 from hub_ingest.core.connect import close_quietly
+from hub_ingest.core.gather import REQUESTS_AT_ONCE, gather_bounded
 from hub_ingest.fleet.auth import system_user
 from hub_ingest.fleet.registry import Device
 
@@ -49,23 +56,47 @@ Grant = Callable[[Device], str]
 class Link:
     server: str  # the id of the server the link is on
     cid: int  # its connection id there
-    key: str  # the device's key it signed in with
-    device: Device  # the record it was let in from
+    device_id: str
     granted: str
+    # The record it was let in from; None for a link read from the bucket until a read of the
+    # registry finds its device granted the same.
+    device: Device | None = None
+
+    def record(self) -> dict[str, str | int]:
+        return {
+            "server": self.server,
+            "cid": self.cid,
+            "device_id": self.device_id,
+            "granted": self.granted,
+        }
 
 
 class Links:
-    """The links this watcher let in, and those to cut."""
+    """The links the watchers let in, and those to cut."""
 
     def __init__(self, grant: Grant) -> None:
         self._grant = grant
         self._by_key: dict[str, deque[Link]] = {}
         self.to_cut: dict[tuple[str, int], tuple[Link, str]] = {}
         self.cut = 0
+        self.unsaved: set[str] = set()  # keys whose links changed since `save_links`
 
     def admitted(self, server: str, cid: int, key: str, device: Device) -> None:
-        link = Link(server, cid, key, device, self._grant(device))
+        link = Link(server, cid, device.device_id, self._grant(device), device)
         self._by_key.setdefault(key, deque(maxlen=KEPT)).append(link)
+        self.unsaved.add(key)
+
+    def saved(self, key: str) -> bytes:
+        """`key`'s links as `save_links` writes them; empty when none is left."""
+        links = self._by_key.get(key)
+        return json.dumps([link.record() for link in links]).encode() if links else b""
+
+    def restore(self, key: str, saved: bytes) -> None:
+        """Add the links `saved` names, unless known already; the next `check` decides."""
+        known = self._by_key.get(key, ())
+        seen = {(link.server, link.cid) for link in known}
+        read = [Link(**r) for r in json.loads(saved) if (r["server"], r["cid"]) not in seen]
+        self._by_key[key] = deque([*read, *known], maxlen=KEPT)  # the newest kept
 
     def check(self, registered: Mapping[str, Device]) -> None:
         """Mark for cutting the links whose device `registered` (by key) no longer has, or
@@ -75,6 +106,7 @@ class Links:
             if device is None:
                 del self._by_key[key]
                 self._mark(links, "removed")
+                self.unsaved.add(key)
             elif any(link.device is not device for link in links):  # a record read since
                 kept: deque[Link] = deque(maxlen=KEPT)
                 for link in links:
@@ -82,6 +114,7 @@ class Links:
                         kept.append(link)
                     else:
                         self._mark([link], "changed")
+                        self.unsaved.add(key)
                 self._by_key[key] = kept
 
     def _holds(self, link: Link, device: Device) -> bool:
@@ -94,6 +127,36 @@ class Links:
     def _mark(self, links: Iterable[Link], reason: str) -> None:
         for link in links:
             self.to_cut[(link.server, link.cid)] = (link, reason)
+
+
+async def load_links(js: JetStreamContext, links: Links) -> None:
+    """Add every link the bucket holds to `links` (none before `provision` made it)."""
+    for key, saved in (await bucket_values(js, LINKS)).items():
+        links.restore(key, saved)
+
+
+async def save_links(js: JetStreamContext, links: Links) -> None:
+    """Write the links of every key whose links changed; a key with none left is deleted.
+    Before `provision` made the bucket nothing is written (and a restarted watcher cuts only
+    what it let in since)."""
+    if not links.unsaved:
+        return
+    try:
+        bucket = await js.key_value(LINKS)
+    except BucketNotFoundError:
+        links.unsaved.clear()
+        return
+
+    async def save(key: str) -> None:
+        links.unsaved.discard(key)  # before the write: links admitted during it are saved next
+        value = links.saved(key)
+        try:
+            await (bucket.put(key, value) if value else bucket.delete(key))
+        except BaseException:
+            links.unsaved.add(key)
+            raise
+
+    await gather_bounded([save(key) for key in list(links.unsaved)], REQUESTS_AT_ONCE)
 
 
 async def _quiet(exc: Exception) -> None:
@@ -117,7 +180,7 @@ class Cutter:
                 if repr(exc) != self._failing:
                     log.warning(
                         "link_cut_failed",
-                        device_id=link.device.device_id,
+                        device_id=link.device_id,
                         error=repr(exc),
                         hint="restart the hub's nats-server to cut every link",
                     )
@@ -129,7 +192,7 @@ class Cutter:
                 self._links.cut += 1
                 log.info(
                     "link_cut",
-                    device_id=link.device.device_id,
+                    device_id=link.device_id,
                     reason=reason,
                     server=link.server,
                     cid=link.cid,

@@ -60,7 +60,7 @@ from edge_agent.protocol.reconcile import (
 )
 from edge_agent.protocol.release import RELEASES_BUCKET, ROLLOUT_BUCKET
 from edge_agent.protocol.units import parse_time
-from hub_ingest.core.buckets import ADMISSION, COMMAND_INDEX, GAPS, bucket_stream, open_bucket
+from hub_ingest.core.buckets import PROVISIONED, bucket_stream, open_bucket
 from hub_ingest.core.config import HubConfig
 from hub_ingest.core.errors import ProvisionError
 from hub_ingest.core.gather import REQUESTS_AT_ONCE, gather_bounded
@@ -81,10 +81,6 @@ log = structlog.get_logger(__name__)
 _ROUNDS = 5  # of provisioning, while the registry changes under it
 _NONE_READ: Mapping[str, StreamConfig | None] = MappingProxyType({})
 COMMAND_DEDUP_WINDOW = 600.0  # seconds
-REGISTRY_STREAM = bucket_stream(BUCKET)
-INDEX_STREAM = bucket_stream(COMMAND_INDEX)
-GAPS_STREAM = bucket_stream(GAPS)
-ADMISSION_STREAM = bucket_stream(ADMISSION)
 
 
 def mirror_metadata(device_id: str, incarnation: Incarnation) -> dict[str, str]:
@@ -296,7 +292,7 @@ def aggregate_streams(
     return streams
 
 
-_BUCKET_STREAMS = (REGISTRY_STREAM, INDEX_STREAM, GAPS_STREAM, ADMISSION_STREAM)
+_BUCKET_STREAMS = tuple(bucket_stream(b) for b in (BUCKET, *PROVISIONED))
 _RELEASE_STREAMS = (bucket_stream(ROLLOUT_BUCKET), f"OBJ_{RELEASES_BUCKET}")
 
 
@@ -395,7 +391,7 @@ async def _provision_once(
         await gather_bounded(
             [
                 open_bucket(js, bucket, replicas=config.replicas, direct=direct)
-                for bucket, direct in ((COMMAND_INDEX, True), (GAPS, False), (ADMISSION, False))
+                for bucket, direct in PROVISIONED.items()
                 if read.get(bucket_stream(bucket)) is None
             ],
             REQUESTS_AT_ONCE,
