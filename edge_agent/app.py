@@ -38,7 +38,7 @@ from edge_agent.commands.handlers import Handler, builtin_handlers
 from edge_agent.commands.hubclock import HubClock
 from edge_agent.commands.ledger import Ledger
 from edge_agent.commands.origin import consumer_to_bind
-from edge_agent.commands.resume import FastResume
+from edge_agent.commands.resume import READ_TIMEOUT_S, FastResume
 from edge_agent.core.config import Config
 from edge_agent.core.errors import OutboxError, ProtocolError, StateDBError
 from edge_agent.core.notify import Notifier
@@ -246,7 +246,11 @@ class Agent:
         self._spawn(tg, self._sync_clock(self._nc))
         self._spawn(tg, self._after_ready(executor.run))
         if self.config.commands.fast_resume:
-            resume = self._resume = FastResume(self.config, js, hub_js, self.link, executor)
+            # Its reads of the origin wait longer, asked again meanwhile (`resume`).
+            reads = self._nc.jetstream(domain=self.config.hub.domain, timeout=READ_TIMEOUT_S)
+            resume = self._resume = FastResume(
+                self.config, js, hub_js, self.link, executor, reads=reads
+            )
             self._spawn(tg, self._after_ready(lambda: resume.run(island_was_fresh=self._fresh())))
         if self.config.update.enabled:
             updater = Updater(self.config, self._nc, self.link, self.outbox)

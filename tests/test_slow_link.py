@@ -20,17 +20,13 @@ def behind_one_window(shape: Shape) -> float:
     """The longest a command sent while `shape`'s link drains a paced backlog may wait to
     start. It rides the island's command mirror once that is live (0.2 s), but nats-server
     resumes a mirror 10-40 s after its link returns, and until then fast resume reads it from
-    the hub: a request that queues behind one window of the backlog, which the island keeps
+    the hub: a read that queues behind one window of the backlog, which the island keeps
     to about `ROUND_S` of the link and halves only past twice that
-    (`edge_agent.island.pace`), then the answer's way back and fast resume's poll. On a
-    loaded machine the mirror is the later to resume: CI saw 2.3 s, and runs beside two busy
-    cores and a writer that syncs 2.5-2.6 s, each by fast resume (idle: 0.22 s, by the
-    mirror). Beside two busy cores alone, three times the machine, it took 3.1-5.4 s: the
-    agent's requests to the hub give up after 2 s (`edge_agent.app`), less than a window
-    may keep one queued, and fast resume asks again behind the next; beside the suite's
-    other worker (an Ansible convergence, a gateway) 8.0-8.9 s in two runs of two, and in
-    the bench beside two busy cores and the writer 0.2-6.8 s, with the devices admitted
-    either way. The tests that assert it run `alone`."""
+    (`edge_agent.island.pace`), then the answer's way back and fast resume's poll. Fast
+    resume asks every poll without waiting for the read before (`resume.catch_up`): one read
+    at a time, each giving up after 2 s, a command waited two windows or more (4.7 s in three
+    runs of three of this file, 5.8 s in CI; 8.0-8.9 s beside the suite's other worker).
+    The tests that assert it run `alone`."""
     return 2 * ROUND_S + shape.rtt + resume.POLL_S
 
 
