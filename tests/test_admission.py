@@ -302,6 +302,10 @@ def test_links_read_back_are_cut_as_the_links_a_watcher_let_in() -> None:
     ) + ["server-2"]
     assert after.saved(b.nkey) == b"" and after.unsaved >= {b.nkey, c.nkey}
 
+    after.restore(c.nkey, b'{"not": "a list of links"}')  # written by something else
+    after.restore(c.nkey, b"[1]")
+    assert after.saved(c.nkey) == b""
+
 
 async def test_the_report_shows_what_the_watchers_refused(hub: Hub) -> None:
     """A refused connection is a device whose data does not arrive: `report --json` has each

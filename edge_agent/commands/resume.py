@@ -44,8 +44,8 @@ POLL_S = 0.25  # between two reads of the origin that found nothing new
 # A read of the origin goes up the link a backlog may fill: on a slow link it can queue behind
 # a window of it (about `ROUND_S`, up to twice that: `edge_agent.island.pace`), so it waits
 # READ_TIMEOUT_S for its answer (the reads' context's timeout), while the next ones are asked
-# (`catch_up`). One lost in a cut holds a place in ASKS_IN_FLIGHT that long, not the reads:
-# at 4 a second, about 1.5 kbit/s of requests up the link while fast resume runs.
+# (`catch_up`). One lost in a cut holds a place in ASKS_IN_FLIGHT that long, not the reads.
+# At most 4 a second of about 200 bytes: 6 kbit/s up the link while fast resume runs.
 READ_TIMEOUT_S = 2 * ROUND_S + 1.0
 ASKS_IN_FLIGHT = 8
 

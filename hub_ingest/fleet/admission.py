@@ -207,10 +207,10 @@ class Admission:
         try:
             while not stop.is_set():
                 try:
+                    await self.refresh()
                     if not loaded:
                         await load_links(self._js, self.links)
                         loaded = True
-                    await self.refresh()
                     await self._cutter.cut_marked()
                     await save_links(self._js, self.links)
                     if time.monotonic() - written_at >= WRITE_S:

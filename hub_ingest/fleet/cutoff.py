@@ -92,10 +92,15 @@ class Links:
         return json.dumps([link.record() for link in links]).encode() if links else b""
 
     def restore(self, key: str, saved: bytes) -> None:
-        """Add the links `saved` names, unless known already; the next `check` decides."""
+        """Add the links `saved` names, unless known already; the next `check` decides. A
+        value that is not such a list is logged and left (its links end with their life)."""
         known = self._by_key.get(key, ())
         seen = {(link.server, link.cid) for link in known}
-        read = [Link(**r) for r in json.loads(saved) if (r["server"], r["cid"]) not in seen]
+        try:
+            read = [Link(**r) for r in json.loads(saved) if (r["server"], r["cid"]) not in seen]
+        except (ValueError, TypeError, KeyError) as exc:
+            log.warning("links_record_unreadable", bucket=LINKS, key=key, error=repr(exc))
+            return
         self._by_key[key] = deque([*read, *known], maxlen=KEPT)  # the newest kept
 
     def check(self, registered: Mapping[str, Device]) -> None:
