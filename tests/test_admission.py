@@ -39,6 +39,7 @@ from hub_ingest.fleet.cutoff import KEPT, Links
 from hub_ingest.fleet.enrol import retire
 from hub_ingest.fleet.registry import Device, Incarnation, Registry
 from hub_ingest.fleet.server import render_server_config
+from hub_ingest.fleet.shared_keys import QUICK_S, SHARED_AT, WINDOW_S, SharedKeys
 from hub_ingest.local.fleet import loopback_hub_config
 from hub_ingest.report.collect import collect_report
 from tests.support.cluster import Hub, hub_has_reading, signs_in, stream_has
@@ -325,6 +326,44 @@ async def test_the_report_shows_what_the_watchers_refused(hub: Hub) -> None:
     assert shown["node"] == written.node and shown["refused"] >= 1 and shown["admitted"] >= 1
     refusal = f"key {public_key(stranger)} is not registered"
     assert any(refusal in w for w in report["warnings"]), report["warnings"]
+
+
+async def test_a_device_key_on_two_machines_is_flagged_and_named(hub: Hub) -> None:
+    """A disk copied from an enrolled device onto a second machine: both islands link with
+    the device's key and server name, nats-server keeps one link a name, and each pushes the
+    other off. The watcher sees the device let in again and again: `report` flags it
+    (``key_shared``) and names it in a warning; a device that linked once is not flagged."""
+    a = await hub.device("a")
+    await hub.device("b")
+    await a.stop()
+    await hub.copy_of(a)
+    await a.start()
+
+    async def flagged() -> dict[str, Any] | None:
+        devices = await (await Registry.open(hub.js)).list()
+        report = (await collect_report(hub.nc, hub.config, devices, silent_after=60)).to_dict()
+        flags = {d["device_id"]: d["flags"] for d in report["devices"]}
+        return report if "key_shared" in flags["a"] else None
+
+    report = await eventually(
+        flagged, timeout=WINDOW_S + 3 * WRITE_S, what="a flagged as on two machines"
+    )
+    (b,) = [d for d in report["devices"] if d["device_id"] == "b"]
+    assert "key_shared" not in b["flags"]
+    assert any("device a: its key links from two machines" in w for w in report["warnings"])
+    assert report["admission"][0]["shared"]["a"]["count"] >= 1
+
+
+def test_a_key_is_shared_when_its_links_keep_replacing_each_other() -> None:
+    """Quick links (each within `QUICK_S` of the one before), `SHARED_AT` of them within
+    `WINDOW_S`: a restart's few redials, or links a minute apart, are not."""
+    keys = SharedKeys()
+    assert not any(keys.admitted("storm", t * 0.5) for t in range(5))
+    assert not any(keys.admitted("apart", t * (QUICK_S + 1)) for t in range(3 * SHARED_AT))
+    seen = [keys.admitted("copied", t * 1.0) for t in range(SHARED_AT + 1)]
+    assert seen[-1] and not any(seen[:-1])
+    slow = [keys.admitted("slow", t * QUICK_S) for t in range(2 * SHARED_AT)]
+    assert not any(slow)  # a quick link each 10 s: fewer than `SHARED_AT` in `WINDOW_S`
 
 
 def test_a_watcher_that_stopped_writing_or_never_did_is_warned_of() -> None:

@@ -44,6 +44,7 @@ from hub_ingest.fleet.admission_figures import WRITE_S, Tally, write_figures
 from hub_ingest.fleet.auth import derived_keys, device_permissions, devices_account
 from hub_ingest.fleet.cutoff import Cutter, Links, load_links, save_links
 from hub_ingest.fleet.registry import Device, Registry
+from hub_ingest.fleet.shared_keys import SharedKeys
 
 log = structlog.get_logger(__name__)
 
@@ -64,6 +65,7 @@ READ_WAIT_S = 0.25
 # reason is logged once, then once a `REFUSAL_LOG_S` with how many were not, and at most
 # `_REASONS_KEPT` reasons are remembered (a stranger may try a new key each time).
 REFUSAL_LOG_S = 60.0
+SHARED_LOG_EVERY = 100  # links of a device whose key is on two machines
 _REASONS_KEPT = 1000
 
 
@@ -162,6 +164,7 @@ class Admission:
         self.tally = Tally(config.server.server_name)
         self._refusals: dict[str, tuple[float, int]] = {}  # reason → (last logged, since)
         self.links = Links(lambda device: granted(device, config.nats.domain))
+        self._shared = SharedKeys()
         self._cutter = Cutter(config, self.links)
 
     async def refresh(self) -> None:
@@ -252,6 +255,15 @@ class Admission:
             not_logged_since=since,
         )
 
+    def _note_link(self, device_id: str, cid: int, request: dict[str, Any]) -> None:
+        if not self._shared.admitted(device_id, time.monotonic()):
+            log.debug("device_admitted", device_id=device_id, cid=cid)
+            return
+        links = self.tally.shared_link(device_id)
+        if links % SHARED_LOG_EVERY == 1:  # two machines link about once a second
+            host = (request.get("client_info") or {}).get("host")
+            log.error("device_key_on_two_machines", device_id=device_id, links=links, host=host)
+
     def decide(self, request: dict[str, Any]) -> Verdict:
         """Whether the connection `request` describes is a registered device's."""
         opts = request.get("connect_opts") or {}
@@ -286,7 +298,7 @@ class Admission:
             response["jwt"] = sign(self._issuer, claims)
             self.tally.admitted += 1
             self.links.admitted(server, cid, verdict.device.nkey, verdict.device)
-            log.debug("device_admitted", device_id=verdict.device.device_id, cid=cid)
+            self._note_link(verdict.device.device_id, cid, request)
         else:
             response["error"] = f"not admitted: {verdict.reason}"
             self.tally.refusal(verdict.reason)

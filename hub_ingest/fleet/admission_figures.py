@@ -1,16 +1,18 @@
-"""What each node's watcher let in, refused and cut, where `report` reads it.
+"""What each node's watcher let in, refused and cut, and the device keys it saw on two
+machines at once (`hub_ingest.fleet.shared_keys`), where `report` reads it.
 
 Under the auth callout a refused connection is a device whose data does not arrive, and only
 the watcher that answered knows why. Each watcher writes what it did since it started to the
 ``FLEET_ADMISSION`` bucket under its node's name every `WRITE_S`. `report --json` shows the
-figures (``admission``) and warns of refusals seen in the last `RECENT_S`, and of figures not
+figures (``admission``) and warns of refusals and shared keys seen in the last `RECENT_S`,
+and of figures not
 written for `STALE_S`: a watcher that is not running, and if none is, no device links.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import datetime
 
 from nats.js import JetStreamContext
@@ -27,7 +29,7 @@ _REASONS_WARNED = 5  # a node's most frequent recent reasons, in the report's wa
 
 
 @dataclass(frozen=True, slots=True)
-class Refused:
+class Seen:
     count: int
     last_at: str  # UTC, RFC 3339
 
@@ -42,7 +44,9 @@ class AdmissionFigures:
     admitted: int
     refused: int
     cut: int  # links of devices removed or granted otherwise (`hub_ingest.fleet.cutoff`)
-    refusals: dict[str, Refused]  # by reason
+    refusals: dict[str, Seen]  # by reason
+    # By device: links let in that pushed its other machine's off (`fleet.shared_keys`).
+    shared: dict[str, Seen] = field(default_factory=dict)
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()
@@ -50,8 +54,10 @@ class AdmissionFigures:
     @classmethod
     def from_json(cls, data: bytes) -> AdmissionFigures:
         raw = json.loads(data)
-        refusals = {reason: Refused(**r) for reason, r in raw.pop("refusals").items()}
-        return cls(**raw, refusals=refusals)
+        refusals = {reason: Seen(**r) for reason, r in raw.pop("refusals").items()}
+        # Absent from the figures of a watcher older than the count.
+        shared = {device: Seen(**s) for device, s in raw.pop("shared", {}).items()}
+        return cls(**raw, refusals=refusals, shared=shared)
 
 
 class Tally:
@@ -60,15 +66,23 @@ class Tally:
     def __init__(self, node: str) -> None:
         self.node, self.since = node, utc_now_iso()
         self.admitted = self.refused = 0
-        self._refusals: dict[str, Refused] = {}
+        self._refusals: dict[str, Seen] = {}
+        self._shared: dict[str, Seen] = {}
 
     def refusal(self, reason: str) -> None:
         if reason not in self._refusals and len(self._refusals) >= _REASONS_KEPT:
             oldest = min(self._refusals, key=lambda r: self._refusals[r].last_at)
             del self._refusals[oldest]
         count = self._refusals[reason].count if reason in self._refusals else 0
-        self._refusals[reason] = Refused(count + 1, utc_now_iso())
+        self._refusals[reason] = Seen(count + 1, utc_now_iso())
         self.refused += 1
+
+    def shared_link(self, device_id: str) -> int:
+        """Count a link of `device_id` let in while its key looks in use on two machines;
+        how many there were."""
+        count = self._shared[device_id].count + 1 if device_id in self._shared else 1
+        self._shared[device_id] = Seen(count, utc_now_iso())
+        return count
 
     def figures(self, cut: int) -> AdmissionFigures:
         return AdmissionFigures(
@@ -79,6 +93,7 @@ class Tally:
             self.refused,
             cut,
             dict(self._refusals),
+            dict(self._shared),
         )
 
 
@@ -98,6 +113,21 @@ async def read_figures(js: JetStreamContext) -> list[AdmissionFigures]:
     return [AdmissionFigures.from_json(value) for value in stored.values()]
 
 
+def _recent(seen: dict[str, Seen], now: datetime) -> list[tuple[str, Seen]]:
+    """`seen`'s entries of the last `RECENT_S`, most frequent first."""
+    recent = [
+        (what, s)
+        for what, s in seen.items()
+        if (at := parse_time(s.last_at)) and (now - at).total_seconds() <= RECENT_S
+    ]
+    return sorted(recent, key=lambda item: -item[1].count)
+
+
+def shared_devices(figures: list[AdmissionFigures], now: datetime) -> set[str]:
+    """The devices any watcher saw on two machines at once in the last `RECENT_S`."""
+    return {device for f in figures for device, _ in _recent(f.shared, now)}
+
+
 def figure_warnings(figures: list[AdmissionFigures], now: datetime) -> list[str]:
     """The refusals of the last `RECENT_S`, most frequent first, and the watchers that stopped
     writing; with no figures at all, that no watcher has answered."""
@@ -115,12 +145,15 @@ def figure_warnings(figures: list[AdmissionFigures], now: datetime) -> list[str]
                 f"hub-ingest watch on node {f.node} last wrote its admission figures at {f.at}: "
                 "is it running? (under the auth callout no device links while none runs)"
             )
-        recent = [
-            (reason, r)
-            for reason, r in f.refusals.items()
-            if (seen := parse_time(r.last_at)) and (now - seen).total_seconds() <= RECENT_S
-        ]
-        recent.sort(key=lambda item: -item[1].count)
+        warnings.extend(
+            f"device {device}: its key links from two machines at once, each pushing the "
+            f"other off ({s.count} links on node {f.node}, last at {s.last_at}): a copied "
+            "disk? Their readings mix and some are lost; give the copy an identity of its "
+            'own (docs/operations.md, "A device key on two machines"). A link that drops '
+            "as soon as it is up looks the same."
+            for device, s in _recent(f.shared, now)
+        )
+        recent = _recent(f.refusals, now)
         for reason, r in recent[:_REASONS_WARNED]:
             warnings.append(
                 f"node {f.node} refused connections: {reason} ({r.count} times since {f.since}, "

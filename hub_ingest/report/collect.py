@@ -39,7 +39,12 @@ from hub_ingest.commands.index import (
     tally_subject,
 )
 from hub_ingest.core.config import HubConfig
-from hub_ingest.fleet.admission_figures import AdmissionFigures, figure_warnings, read_figures
+from hub_ingest.fleet.admission_figures import (
+    AdmissionFigures,
+    figure_warnings,
+    read_figures,
+    shared_devices,
+)
 from hub_ingest.fleet.gaps import MirrorGaps, read_gaps
 from hub_ingest.fleet.registry import Device
 from hub_ingest.fleet.streams import AGGREGATES, mirror_name, stream_list
@@ -153,6 +158,7 @@ def _flags(
     silent_after: float,
     unexamined: Mapping[str, tuple[int, int]],
     gaps: GapCounts,
+    shared: bool,
 ) -> tuple[str, ...]:
     flags = []
     if last_seen_s is None:
@@ -165,6 +171,8 @@ def _flags(
         flags.append("gap_pending")
     if any(reason != "evicted" for reason in gaps.lost):  # evictions are the budget's drops
         flags.append("lost")
+    if shared:
+        flags.append("key_shared")
     return tuple(flags)
 
 
@@ -219,6 +227,7 @@ class _Fleet:
     now: datetime
     silent_after: float
     heartbeats: Mapping[str, Stored]  # each device's last, by subject
+    shared: set[str]  # devices whose key links from two machines (`fleet.shared_keys`)
 
 
 async def _device_report(fleet: _Fleet, device: Device) -> tuple[DeviceReport, list[str]]:
@@ -286,7 +295,13 @@ async def _device_report(fleet: _Fleet, device: Device) -> tuple[DeviceReport, l
         dead_letters=beat_figure(beat, "outbox", "dead_letters"),
         commands=counts,
         last_error=last_error,
-        flags=_flags(last_seen, fleet.silent_after, gaps, device_gaps),
+        flags=_flags(
+            last_seen,
+            fleet.silent_after,
+            gaps,
+            device_gaps,
+            device.device_id in fleet.shared,
+        ),
         incarnations=device.incarnations,
         forged_events=fleet.forged.counts[device.device_id],
         uplinks=beat_uplinks(beat),
@@ -400,11 +415,12 @@ async def start_report(
     heartbeats = await last_heartbeats(api, infos, devices)
     gaps = await read_gaps(js)
     tallies = await _tallies(api, devices)
-    fleet = _Fleet(api, tallies, infos, gaps, leaves, forged, now, silent_after, heartbeats)
     admission: list[AdmissionFigures] = []
     if config.server.admission == "callout":
         admission = await read_figures(js)
         warnings.extend(figure_warnings(admission, now))
+    shared = shared_devices(admission, now)
+    fleet = _Fleet(api, tallies, infos, gaps, leaves, forged, now, silent_after, heartbeats, shared)
     return Collection(fleet, devices, warnings, admission)
 
 

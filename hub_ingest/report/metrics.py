@@ -12,7 +12,7 @@ _PER_DEVICE: tuple[tuple[str, str, str], ...] = (
     ("hub_device_link_up", "1 while the device's leaf link is up (no sample: unknown)", "link"),
     ("hub_device_last_seen_seconds", "since the hub last heard from the device", "seen"),
     ("hub_device_lag", "messages the hub's aggregates still lack of the device", "lag"),
-    ("hub_device_flagged", "1 when the report flags the device (silent, never seen, gap)", "flag"),
+    ("hub_device_flagged", "1 when the report flags the device (silent, gap, shared key…)", "flag"),
     ("hub_device_commands_pending", "commands waiting for the device's result", "pending"),
     ("hub_device_commands_failed", "results other than ok, since the index began", "failed"),
     ("hub_device_telemetry_dropped", "readings the device's budget forced out", "dropped"),

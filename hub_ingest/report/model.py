@@ -96,7 +96,8 @@ class DeviceReport:
     commands: CommandCounts
     last_error: CommandError | None
     # "never_seen" or "silent"; "hub_gap" (skips the refill has not looked at yet),
-    # "gap_pending" (skips waiting for the island), "lost" (skips the island no longer had)
+    # "gap_pending" (skips waiting for the island), "lost" (skips the island no longer had),
+    # "key_shared" (its key links from two machines at once: `hub_ingest.fleet.shared_keys`)
     flags: tuple[str, ...]
     # Every incarnation of the device's streams the hub has seen, oldest first: a new one
     # means the device was re-imaged (or its store replaced) at about `seen_at`.

@@ -12,7 +12,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -201,6 +201,31 @@ class Hub(LocalHub):
             await self.provision()
         self.devices.append(device)
         return device
+
+    async def copy_of(self, device: Device) -> Device:
+        """A second machine whose disk is a copy of stopped `device`'s: its key, its state and
+        its island's store, with ports and a link proxy of its own; started."""
+        state = self.root / f"{device.id}-copy"
+        shutil.copytree(device.config.agent.state_dir, state)
+        proxy = await LinkProxy(self.leaf_port).start()
+        c = device.config
+        island = replace(
+            c.island,
+            store_dir=state / c.island.store_dir.relative_to(c.agent.state_dir),
+            config_path=state / c.island.config_path.relative_to(c.agent.state_dir),
+            client_listen=replace(c.island.client_listen, port=free_port()),
+            monitor_listen=replace(c.island.monitor_listen, port=free_port()),
+        )
+        config = replace(
+            c,
+            island=island,
+            agent=replace(c.agent, state_dir=state),
+            hub=replace(c.hub, urls=tuple(self.leaf_urls(proxy.port))),
+        )
+        copy = Device(config, proxy, handlers=device.handlers)
+        await copy.start()
+        self.devices.append(copy)
+        return copy
 
     async def aggregate_messages(self, stream: str) -> list[RawStreamMsg]:
         return await stream_messages(self.js, stream)

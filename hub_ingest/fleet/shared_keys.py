@@ -1,0 +1,43 @@
+"""A device key in use on two machines at once: a disk copied after enrolment.
+
+A device's island links with its key and its server name, and nats-server keeps one link
+per name and account, closing the older one when a newer one comes ("Replacing connection
+from same server"). A device whose link dropped dials again once and is let in once. Two
+machines holding one device's key (a disk image taken from an enrolled device and written
+to others) push each other off for as long as both run, each let in a second or so after
+the other. Their islands hold different messages under the same sequences; the hub mirrors
+from whichever is linked, and a mirror takes only sequences above its last: readings of
+one or the other are lost with no gap to see, and both run the device's commands.
+
+The watcher that lets the links in (`hub_ingest.fleet.admission`) counts, per device, the
+links let in within `QUICK_S` of the one before; `SHARED_AT` of them within `WINDOW_S` and
+the device is marked shared in its figures, where `report` flags and names it. A link
+that drops as soon as it is up looks the same, and deserves the same look. A restart's
+storm lets a device in a few times at most, then stops.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+QUICK_S = 10.0
+SHARED_AT = 20
+WINDOW_S = 120.0
+
+
+class SharedKeys:
+    """The devices whose links keep replacing each other, as one watcher sees them."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, float] = {}  # by device: when its last link was let in
+        self._quick: dict[str, deque[float]] = {}  # by device: its latest quick links
+
+    def admitted(self, device_id: str, now: float) -> bool:
+        """Note a link of `device_id` let in at `now` (monotonic seconds); whether the device
+        now looks shared."""
+        last, self._last[device_id] = self._last.get(device_id), now
+        if last is None or now - last > QUICK_S:
+            return False
+        quick = self._quick.setdefault(device_id, deque(maxlen=SHARED_AT))
+        quick.append(now)
+        return len(quick) == SHARED_AT and now - quick[0] <= WINDOW_S
