@@ -39,7 +39,14 @@ from hub_ingest.fleet.cutoff import KEPT, Links
 from hub_ingest.fleet.enrol import retire
 from hub_ingest.fleet.registry import Device, Incarnation, Registry
 from hub_ingest.fleet.server import render_server_config
-from hub_ingest.fleet.shared_keys import QUICK_S, SHARED_AT, WINDOW_S, SharedKeys
+from hub_ingest.fleet.shared_keys import (
+    QUICK_S,
+    SHARED_AT,
+    WINDOW_S,
+    SharedKeys,
+    linked_twice,
+    look_of,
+)
 from hub_ingest.local.fleet import loopback_hub_config
 from hub_ingest.report.collect import collect_report
 from tests.support.cluster import Hub, hub_has_reading, signs_in, stream_has
@@ -364,6 +371,28 @@ def test_a_key_is_shared_when_its_links_keep_replacing_each_other() -> None:
     assert seen[-1] and not any(seen[:-1])
     slow = [keys.admitted("slow", t * QUICK_S) for t in range(2 * SHARED_AT)]
     assert not any(slow)  # a quick link each 10 s: fewer than `SHARED_AT` in `WINDOW_S`
+
+
+def test_a_name_is_linked_twice_when_both_its_links_carried_messages_since_the_last_look() -> None:
+    def answer(server: str, *leafs: tuple[str, int, int]) -> dict[str, Any]:
+        listed = [{"name": name, "id": cid, "in_msgs": n} for name, cid, n in leafs]
+        return {"server": {"name": server}, "data": {"leafs": listed}}
+
+    before = look_of([answer("hub-1", ("copied", 7, 10), ("moved", 8, 50)), answer("hub-2")])
+    now = look_of(
+        [
+            answer("hub-1", ("copied", 7, 12), ("moved", 8, 50)),  # moved's machine went away
+            answer("hub-2", ("copied", 3, 4), ("moved", 9, 2), ("copied", 5, 1)),
+        ]
+    )
+    assert linked_twice(before, now) == set()  # the links on hub-2 are new: not yet compared
+    later = look_of(
+        [
+            answer("hub-1", ("copied", 7, 14), ("moved", 8, 50)),
+            answer("hub-2", ("copied", 3, 6), ("moved", 9, 4)),
+        ]
+    )
+    assert linked_twice(now, later) == {"copied"}
 
 
 def test_a_watcher_that_stopped_writing_or_never_did_is_warned_of() -> None:

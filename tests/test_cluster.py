@@ -14,14 +14,17 @@ from pathlib import Path
 import pytest
 
 from edge_agent.protocol.names import island_consumer
+from hub_ingest.fleet.admission_figures import WRITE_S
 from hub_ingest.fleet.auth import devices_account, sync_users
 from hub_ingest.fleet.enrol import retire
 from hub_ingest.fleet.provision import provision
 from hub_ingest.fleet.registry import Device, Registry
+from hub_ingest.fleet.shared_keys import LOOK_S
 from hub_ingest.fleet.streams import stream_names
+from hub_ingest.report.collect import collect_report
 from tests.chaos.runner import Chaos, Outcome
 from tests.chaos.schedule import Action
-from tests.support.hubcluster import ClusterHub, start_cluster_hub
+from tests.support.hubcluster import NODES, ClusterHub, start_cluster_hub
 from tests.support.waiting import RESUME_TIMEOUT, eventually
 
 pytestmark = pytest.mark.slow
@@ -124,6 +127,29 @@ async def test_a_removed_devices_link_is_cut_whichever_node_it_is_on(
 
     await b.wait_link(up=False, timeout=20)
     assert await a.link_id() == a_link
+
+
+async def test_a_device_key_linked_on_two_nodes_is_flagged(cluster_hub: ClusterHub) -> None:
+    """A disk copied from an enrolled device, the copy linked to another node: nats-server
+    keeps both links (it closes the older link of a name on its own node only), and the
+    watchers, looking at every node's links, flag the device in `report`."""
+    one, two = (f"nats-leaf://127.0.0.1:{cluster_hub.leaf_port_of(n)}" for n in NODES[:2])
+    a = await cluster_hub.device("a", sections={"hub": {"urls": [one]}})
+    await cluster_hub.device("b")
+    await a.stop()
+    await cluster_hub.copy_of(a, urls=[two])
+    await a.start()
+
+    async def flags() -> dict[str, list[str]] | None:
+        devices = await (await Registry.open(cluster_hub.js)).list()
+        report = await collect_report(cluster_hub.nc, cluster_hub.config, devices, silent_after=60)
+        flags = {d.device_id: list(d.flags) for d in report.devices}
+        return flags if "key_shared" in flags["a"] else None
+
+    flagged = await eventually(
+        flags, timeout=3 * LOOK_S + 3 * WRITE_S, what="a flagged as on two machines"
+    )
+    assert "key_shared" not in flagged["b"]
 
 
 async def _has_stream(hub: ClusterHub, name: str) -> bool:

@@ -44,7 +44,7 @@ from hub_ingest.fleet.admission_figures import WRITE_S, Tally, write_figures
 from hub_ingest.fleet.auth import derived_keys, device_permissions, devices_account
 from hub_ingest.fleet.cutoff import Cutter, Links, load_links, save_links
 from hub_ingest.fleet.registry import Device, Registry
-from hub_ingest.fleet.shared_keys import SharedKeys
+from hub_ingest.fleet.shared_keys import LOOK_S, Look, SharedKeys, linked_twice, look_of
 
 log = structlog.get_logger(__name__)
 
@@ -165,6 +165,7 @@ class Admission:
         self._refusals: dict[str, tuple[float, int]] = {}  # reason → (last logged, since)
         self.links = Links(lambda device: granted(device, config.nats.domain))
         self._shared = SharedKeys()
+        self._look: Look = {}  # every node's links, as last looked at (a cluster's)
         self._cutter = Cutter(config, self.links)
 
     async def refresh(self) -> None:
@@ -205,7 +206,7 @@ class Admission:
         failing = ""  # the last refresh's error, logged once
         sub = await nc.subscribe(AUTH_SUBJECT, queue=QUEUE, cb=self._answer)
         log.info("admission_started", subject=AUTH_SUBJECT, queue=QUEUE)
-        written_at = -WRITE_S
+        written_at = looked_at = -WRITE_S
         loaded = False  # the links the watchers let in before
         try:
             while not stop.is_set():
@@ -216,6 +217,9 @@ class Admission:
                         loaded = True
                     await self._cutter.cut_marked()
                     await save_links(self._js, self.links)
+                    if self._config.cluster and time.monotonic() - looked_at >= LOOK_S:
+                        looked_at = time.monotonic()
+                        await self._look_at_links(len(self._config.cluster.nodes))
                     if time.monotonic() - written_at >= WRITE_S:
                         figures = self.tally.figures(self.links.cut)
                         await write_figures(self._js, figures)
@@ -256,13 +260,26 @@ class Admission:
         )
 
     def _note_link(self, device_id: str, cid: int, request: dict[str, Any]) -> None:
-        if not self._shared.admitted(device_id, time.monotonic()):
-            log.debug("device_admitted", device_id=device_id, cid=cid)
-            return
-        links = self.tally.shared_link(device_id)
-        if links % SHARED_LOG_EVERY == 1:  # two machines link about once a second
+        if self._shared.admitted(device_id, time.monotonic()):
             host = (request.get("client_info") or {}).get("host")
-            log.error("device_key_on_two_machines", device_id=device_id, links=links, host=host)
+            self._on_two_machines(device_id, f"the link let in last is from {host}")
+        else:
+            log.debug("device_admitted", device_id=device_id, cid=cid)
+
+    async def _look_at_links(self, nodes: int) -> None:
+        """Mark shared the devices linked on two nodes at once (`shared_keys.linked_twice`)."""
+        look = look_of(await self._cutter.every_leafz(nodes))
+        by_leaf = {name: d for d in self._by_key.values() for name in d.leaf_names}
+        for name in linked_twice(self._look, look):
+            if (device := by_leaf.get(name)) is not None:
+                on = sorted({server for server, _ in look[name]})
+                self._on_two_machines(device.device_id, f"linked on nodes {', '.join(on)}")
+        self._look = look
+
+    def _on_two_machines(self, device_id: str, where: str) -> None:
+        links = self.tally.shared_link(device_id)
+        if links % SHARED_LOG_EVERY == 1:  # two machines on one node link about once a second
+            log.error("device_key_on_two_machines", device_id=device_id, links=links, where=where)
 
     def decide(self, request: dict[str, Any]) -> Verdict:
         """Whether the connection `request` describes is a registered device's."""

@@ -21,10 +21,12 @@ every link (docs/security.md).
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import nats
 import nats.errors
@@ -219,6 +221,23 @@ class Cutter:
         if error == _GONE:
             return False
         raise nats.errors.Error(f"{subject}: {error}")
+
+    async def every_leafz(self, servers: int) -> list[dict[str, Any]]:
+        """The ``/leafz`` of every server that answers within `KICK_TIMEOUT_S` (up to
+        `servers` of them), as the system account asks for it."""
+        nc = await self._connection()
+        sub = await nc.subscribe(inbox := nc.new_inbox())
+        answers: list[dict[str, Any]] = []
+        try:
+            await nc.publish("$SYS.REQ.SERVER.PING.LEAFZ", b"{}", reply=inbox)
+            async with asyncio.timeout(KICK_TIMEOUT_S):
+                while len(answers) < servers:
+                    answers.append(json.loads((await sub.next_msg(timeout=None)).data))
+        except TimeoutError:
+            pass  # a server that does not answer is left out of this look
+        finally:
+            await sub.unsubscribe()
+        return answers
 
     async def _connection(self) -> Client:
         if self._nc is None or self._nc.is_closed:

@@ -14,15 +14,28 @@ links let in within `QUICK_S` of the one before; `SHARED_AT` of them within `WIN
 the device is marked shared in its figures, where `report` flags and names it. A link
 that drops as soon as it is up looks the same, and deserves the same look. A restart's
 storm lets a device in a few times at most, then stops.
+
+On a cluster nats-server closes the older link of a name on its own node only: two
+machines linked to different nodes both stay up, and both answer the hub. So every
+`LOOK_S` the watchers look at every node's links (``/leafz``, asked of the system account)
+and mark shared a device linked on two nodes whose links both carried messages since the
+look before; a link whose machine went away, which its node has not noticed yet, carries
+none.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 QUICK_S = 10.0
 SHARED_AT = 20
 WINDOW_S = 120.0
+LOOK_S = 15.0
+
+# By leaf name: each of its links, (server name, connection id), and the messages it carried in.
+Look = dict[str, dict[tuple[str, int], int]]
 
 
 class SharedKeys:
@@ -41,3 +54,26 @@ class SharedKeys:
         quick = self._quick.setdefault(device_id, deque(maxlen=SHARED_AT))
         quick.append(now)
         return len(quick) == SHARED_AT and now - quick[0] <= WINDOW_S
+
+
+def look_of(answers: Iterable[Mapping[str, Any]]) -> Look:
+    """Every link in the servers' answers to ``$SYS.REQ.SERVER.PING.LEAFZ``."""
+    look: Look = {}
+    for answer in answers:
+        server = str((answer.get("server") or {}).get("name", ""))
+        for leaf in (answer.get("data") or {}).get("leafs") or []:
+            links = look.setdefault(str(leaf.get("name")), {})
+            links[(server, int(leaf.get("id", 0)))] = int(leaf.get("in_msgs", 0))
+    return look
+
+
+def linked_twice(before: Look, now: Look) -> set[str]:
+    """Leaf names linked on two servers or more by links that carried messages since
+    `before`."""
+    twice = set()
+    for name, links in now.items():
+        was = before.get(name, {})
+        live = {server for (server, cid), n in links.items() if n > was.get((server, cid), n)}
+        if len(live) > 1:
+            twice.add(name)
+    return twice

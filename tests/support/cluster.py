@@ -202,9 +202,10 @@ class Hub(LocalHub):
         self.devices.append(device)
         return device
 
-    async def copy_of(self, device: Device) -> Device:
+    async def copy_of(self, device: Device, urls: list[str] | None = None) -> Device:
         """A second machine whose disk is a copy of stopped `device`'s: its key, its state and
-        its island's store, with ports and a link proxy of its own; started."""
+        its island's store, with ports and a link proxy of its own (which `urls` replaces);
+        started."""
         state = self.root / f"{device.id}-copy"
         shutil.copytree(device.config.agent.state_dir, state)
         proxy = await LinkProxy(self.leaf_port).start()
@@ -220,7 +221,7 @@ class Hub(LocalHub):
             c,
             island=island,
             agent=replace(c.agent, state_dir=state),
-            hub=replace(c.hub, urls=tuple(self.leaf_urls(proxy.port))),
+            hub=replace(c.hub, urls=tuple(urls or self.leaf_urls(proxy.port))),
         )
         copy = Device(config, proxy, handlers=device.handlers)
         await copy.start()
