@@ -11,6 +11,7 @@ import statistics
 import time
 import traceback
 from collections.abc import Awaitable, Callable, Iterator, Sequence
+from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
 
@@ -31,6 +32,7 @@ from bench.fleetscale.fleet import Fleet
 from bench.fleetscale.table import line
 from edge_agent.protocol.errors import MonitorUnavailable
 from hub_ingest.commands.send import command_status, new_envelope, send
+from hub_ingest.fleet.admission_figures import read_figures, shared_devices
 from hub_ingest.fleet.enrol import Enrolment, enrol, enrol_many
 from hub_ingest.fleet.registry import Registry
 from hub_ingest.local.fleet import start_local_hub
@@ -193,6 +195,10 @@ async def measure_size(fleet: Fleet, row: dict[str, float], args: argparse.Names
     row["up"], row["resume"], row["down"] = await fleet.restart(args.timeout)
     row["restart_peak"] = fleet.peak_rss()  # the servers started afresh: their peak since
     row["leafs"] = fleet.max_leafs
+    # Devices the watcher took for a key on two machines (`fleet.shared_keys`): a restart's
+    # redials must not look like that. Its figures are written every 10 s, within the resume.
+    figures = await read_figures(fleet.hub.js)
+    row["shared"] = len(shared_devices(figures, datetime.now(UTC)))
 
 
 async def enrol_costs(root: Path, n: int) -> tuple[float, float]:

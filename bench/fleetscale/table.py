@@ -67,7 +67,9 @@ def summarise(results: dict[str, list[dict[str, float]]], args: argparse.Namespa
     # do shows as nan.
     mode = next((m for m in reversed(args.modes) if m != "single"), "single")
     target = max(args.sizes)
-    nan = dict.fromkeys((*METRICS, "up", "down", "peak", "restart_peak", "leafs"), float("nan"))
+    nan = dict.fromkeys(
+        (*METRICS, "up", "down", "peak", "restart_peak", "leafs", "shared"), float("nan")
+    )
     runs = {int(r["size"]): r for r in results.get(mode, [])}
     last = runs.get(target, nan)
     cost = costs.get(mode, {name: float("nan") for name in SLOPES})
@@ -92,5 +94,6 @@ def summarise(results: dict[str, list[dict[str, float]]], args: argparse.Namespa
         f"enrol_s_per_device={cost['enrol']:.4f} attach_s_per_device={cost['attach']:.4f} "
         f"provision_pass_s={last['pass']:.2f} hub_rss_mb={last['rss']:.0f} "
         f"status_s={last['status']:.3f} restart_up_s={last['up']:.1f} "
-        f"restart_down_s={last['down']:.1f} hub_fds={last['fds']:.0f}{extra}"
+        f"restart_down_s={last['down']:.1f} hub_fds={last['fds']:.0f} "
+        f"keys_shared={last['shared']:.0f}{extra}"
     )
