@@ -33,6 +33,7 @@ from typing import Any
 
 import nacl.exceptions
 import nacl.signing
+import nats.errors
 import nkeys
 import structlog
 from nats.aio.client import Client
@@ -166,6 +167,7 @@ class Admission:
         self.links = Links(lambda device: granted(device, config.nats.domain))
         self._shared = SharedKeys()
         self._look: Look = {}  # every node's links, as last looked at (a cluster's)
+        self._look_failing = ""  # the last look's error, logged once
         self._cutter = Cutter(config, self.links)
 
     async def refresh(self) -> None:
@@ -268,7 +270,14 @@ class Admission:
 
     async def _look_at_links(self, nodes: int) -> None:
         """Mark shared the devices linked on two nodes at once (`shared_keys.linked_twice`)."""
-        look = look_of(await self._cutter.every_leafz(nodes))
+        try:
+            look = look_of(await self._cutter.every_leafz(nodes))
+        except (nats.errors.Error, OSError) as exc:
+            if repr(exc) != self._look_failing:  # as the cutter's, which shares the connection
+                log.warning("links_look_failed", error=repr(exc))
+            self._look_failing = repr(exc)
+            return
+        self._look_failing = ""
         by_leaf = {name: d for d in self._by_key.values() for name in d.leaf_names}
         for name in linked_twice(self._look, look):
             if (device := by_leaf.get(name)) is not None:

@@ -5,8 +5,8 @@ Under the auth callout a refused connection is a device whose data does not arri
 the watcher that answered knows why. Each watcher writes what it did since it started to the
 ``FLEET_ADMISSION`` bucket under its node's name every `WRITE_S`. `report --json` shows the
 figures (``admission``) and warns of refusals and shared keys seen in the last `RECENT_S`,
-and of figures not
-written for `STALE_S`: a watcher that is not running, and if none is, no device links.
+and of figures not written for `STALE_S`: a watcher that is not running, and if none is, no
+device links.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ class AdmissionFigures:
     refused: int
     cut: int  # links of devices removed or granted otherwise (`hub_ingest.fleet.cutoff`)
     refusals: dict[str, Seen]  # by reason
-    # By device: links let in that pushed its other machine's off (`fleet.shared_keys`).
+    # By device: the times its key looked in use on two machines (`fleet.shared_keys`).
     shared: dict[str, Seen] = field(default_factory=dict)
 
     def to_json(self) -> bytes:
@@ -78,8 +78,8 @@ class Tally:
         self.refused += 1
 
     def shared_link(self, device_id: str) -> int:
-        """Count a link of `device_id` let in while its key looks in use on two machines;
-        how many there were."""
+        """Count a time `device_id`'s key looked in use on two machines (a link let in, or a
+        look at a cluster's links); how many there were."""
         count = self._shared[device_id].count + 1 if device_id in self._shared else 1
         self._shared[device_id] = Seen(count, utc_now_iso())
         return count
@@ -129,8 +129,9 @@ def shared_devices(figures: list[AdmissionFigures], now: datetime) -> set[str]:
 
 
 def figure_warnings(figures: list[AdmissionFigures], now: datetime) -> list[str]:
-    """The refusals of the last `RECENT_S`, most frequent first, and the watchers that stopped
-    writing; with no figures at all, that no watcher has answered."""
+    """The keys on two machines and the refusals of the last `RECENT_S`, most frequent
+    first, and the watchers that stopped writing; with no figures at all, that no watcher has
+    answered."""
     if not figures:
         return [
             "no hub-ingest watch has written its admission figures (or `hub-ingest provision` "
@@ -146,11 +147,11 @@ def figure_warnings(figures: list[AdmissionFigures], now: datetime) -> list[str]
                 "is it running? (under the auth callout no device links while none runs)"
             )
         warnings.extend(
-            f"device {device}: its key links from two machines at once, each pushing the "
-            f"other off ({s.count} links on node {f.node}, last at {s.last_at}): a copied "
-            "disk? Their readings mix and some are lost; give the copy an identity of its "
-            'own (docs/operations.md, "A device key on two machines"). A link that drops '
-            "as soon as it is up looks the same."
+            f"device {device}: its key links from two machines at once (seen {s.count} times "
+            f"by node {f.node}, last at {s.last_at}): a copied disk? Their readings mix and "
+            "some are lost; give the copy an identity of its own (docs/operations.md, "
+            '"A device key on two machines"). A link that drops as soon as it is up looks '
+            "the same."
             for device, s in _recent(f.shared, now)
         )
         recent = _recent(f.refusals, now)
