@@ -335,15 +335,21 @@ async def test_the_report_shows_what_the_watchers_refused(hub: Hub) -> None:
     assert any(refusal in w for w in report["warnings"]), report["warnings"]
 
 
-async def test_a_device_key_on_two_machines_is_flagged_and_named(hub: Hub) -> None:
+async def test_a_device_key_on_two_machines_is_flagged_and_held_off(hub: Hub) -> None:
     """A disk copied from an enrolled device onto a second machine: both islands link with
     the device's key and server name, nats-server keeps one link a name, and each pushes the
     other off. The watcher sees the device let in again and again: `report` flags it
-    (``key_shared``) and names it in a warning; a device that linked once is not flagged."""
+    (``key_shared``) and names it, and both machines are refused for
+    ``server.shared_key_hold``. The copy stopped, what the device took meanwhile reaches the
+    hub once the hold ends; a device that linked once is not flagged."""
+    hold = 30.0
+    hub.config = replace(hub.config, server=replace(hub.config.server, shared_key_hold=hold))
+    await hub.stop_watching()
+    hub.start_watch()
     a = await hub.device("a")
     await hub.device("b")
     await a.stop()
-    await hub.copy_of(a)
+    copy = await hub.copy_of(a)
     await a.start()
 
     async def flagged() -> dict[str, Any] | None:
@@ -360,17 +366,37 @@ async def test_a_device_key_on_two_machines_is_flagged_and_named(hub: Hub) -> No
     assert any("device a: its key links from two machines" in w for w in report["warnings"])
     assert report["admission"][0]["shared"]["a"]["count"] >= 1
 
+    await copy.stop()  # what an operator does first
+    for _ in range(10):  # alone now, and still held off: its link stays down
+        assert not await a.link_up()
+        await asyncio.sleep(0.5)
+    await a.js.publish("tele.while_held", b"1")
+    await eventually(
+        lambda: hub_has_reading(hub.js, "a", "tele.while_held"),
+        timeout=hold + RESUME_TIMEOUT,
+        what="a's reading at the hub after the hold",
+    )
+    devices = await (await Registry.open(hub.js)).list()
+    report = (await collect_report(hub.nc, hub.config, devices, silent_after=60)).to_dict()
+    held = "device a's key is in use on two machines"
+    assert any(held in w for w in report["warnings"]), report["warnings"]
+
 
 def test_a_key_is_shared_when_its_links_keep_replacing_each_other() -> None:
     """Quick links (each within `QUICK_S` of the one before), `SHARED_AT` of them within
     `WINDOW_S`: a restart's few redials, or links a minute apart, are not."""
-    keys = SharedKeys()
+    keys = SharedKeys(hold=0.0)
     assert not any(keys.admitted("storm", t * 0.5) for t in range(5))
     assert not any(keys.admitted("apart", t * (QUICK_S + 1)) for t in range(3 * SHARED_AT))
     seen = [keys.admitted("copied", t * 1.0) for t in range(SHARED_AT + 1)]
     assert seen[-1] and not any(seen[:-1])
     slow = [keys.admitted("slow", t * QUICK_S) for t in range(2 * SHARED_AT)]
     assert not any(slow)  # a quick link each 10 s: fewer than `SHARED_AT` in `WINDOW_S`
+
+    assert not keys.hold("copied", 30.0) and not keys.held("copied", 30.0)  # 0: never held
+    held = SharedKeys(hold=600.0)
+    assert held.hold("copied", 30.0)
+    assert held.held("copied", 629.0) and not held.held("copied", 630.0)
 
 
 def test_a_name_is_linked_twice_when_both_its_links_carried_messages_since_the_last_look() -> None:

@@ -132,13 +132,16 @@ async def test_a_removed_devices_link_is_cut_whichever_node_it_is_on(
 async def test_a_device_key_linked_on_two_nodes_is_flagged(cluster_hub: ClusterHub) -> None:
     """A disk copied from an enrolled device, the copy linked to another node: nats-server
     keeps both links (it closes the older link of a name on its own node only), and the
-    watchers, looking at every node's links, flag the device in `report`."""
+    watchers, looking at every node's links, flag the device in `report` and cut both links
+    (held off for ``server.shared_key_hold``)."""
     one, two = (f"nats-leaf://127.0.0.1:{cluster_hub.leaf_port_of(n)}" for n in NODES[:2])
     a = await cluster_hub.device("a", sections={"hub": {"urls": [one]}})
     await cluster_hub.device("b")
     await a.stop()
-    await cluster_hub.copy_of(a, urls=[two])
+    copy = await cluster_hub.copy_of(a, urls=[two])
     await a.start()
+    await a.wait_link()
+    await copy.wait_link()
 
     async def flags() -> dict[str, list[str]] | None:
         devices = await (await Registry.open(cluster_hub.js)).list()
@@ -150,6 +153,8 @@ async def test_a_device_key_linked_on_two_nodes_is_flagged(cluster_hub: ClusterH
         flags, timeout=3 * LOOK_S + 3 * WRITE_S, what="a flagged as on two machines"
     )
     assert "key_shared" not in flagged["b"]
+    await a.wait_link(up=False, timeout=10)
+    await copy.wait_link(up=False, timeout=10)
 
 
 async def _has_stream(hub: ClusterHub, name: str) -> bool:

@@ -18,6 +18,7 @@ from edge_agent.protocol.release import decode_public_key
 from edge_agent.protocol.tomlconf import (
     BY_RTT,
     Section,
+    boolean,
     host_port,
     identifier,
     link_compression,
@@ -242,12 +243,6 @@ def _argv(value: object) -> tuple[str, ...]:
     return argv
 
 
-def _bool(value: object) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"expected true or false, got {value!r}")
-    return value
-
-
 def _positive_size(value: object) -> int:
     size = parse_size(value)
     if size <= 0:
@@ -326,7 +321,7 @@ def parse_config(data: dict[str, Any], source: Path | None = None) -> Config:
         reconnect_spread=hub_sec.get("reconnect_spread", _duration, 0.0),
         compression=hub_sec.get("compression", link_compression, BY_RTT),
         compress_rtt=hub_sec.get("compress_rtt", _positive_duration, 0.02),
-        pack=hub_sec.get("pack", _bool, True),
+        pack=hub_sec.get("pack", boolean, True),
     )
     hub_sec.finish()
     if hub.domain == island.domain:
@@ -370,7 +365,7 @@ def parse_config(data: dict[str, Any], source: Path | None = None) -> Config:
         exec_allow=cmd_sec.get("exec_allow", _argv_list, ()),
         exec_max_output=cmd_sec.get("exec_max_output", _positive_size, 64 * 1024),
         shutdown_grace=cmd_sec.get("shutdown_grace", parse_duration, 10.0),
-        fast_resume=cmd_sec.get("fast_resume", _bool, True),
+        fast_resume=cmd_sec.get("fast_resume", boolean, True),
     )
     cmd_sec.finish()
 

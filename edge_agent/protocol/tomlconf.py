@@ -83,6 +83,12 @@ def string(value: object) -> str:
     return value
 
 
+def boolean(value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"expected true or false, got {value!r}")
+    return value
+
+
 def identifier(value: object) -> str:
     text = string(value)
     if not _ID_RE.match(text):

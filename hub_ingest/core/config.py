@@ -9,6 +9,7 @@ from typing import Any
 from edge_agent.protocol import errors as agent_errors
 from edge_agent.protocol.tomlconf import (
     Section,
+    boolean,
     compression,
     host_port,
     identifier,
@@ -80,6 +81,7 @@ class ServerConfig:
     leaf_tls: LeafTlsConfig | None = None  # None: a plaintext leaf listener (NKeys only)
     admission: str = "callout"  # or "users_file": see hub_ingest.fleet.admission
     link_life: float = 86400.0  # callout: a link signs in again within it (fleet.cutoff)
+    shared_key_hold: float = 600.0  # callout: a key on two machines refused (fleet.shared_keys)
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,12 +192,6 @@ def _limit_size(value: object) -> int:
     return -1 if value == -1 else parse_size(value)
 
 
-def _boolean(value: object) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"expected true or false, got {value!r}")
-    return value
-
-
 def _admission(value: object) -> str:
     if value not in ADMISSIONS:
         raise ValueError(f"expected one of {', '.join(ADMISSIONS)}, got {value!r}")
@@ -284,10 +280,10 @@ def _parse(data: dict[str, Any], source: Path | None) -> HubConfig:
         trigger_interval=ing.get("trigger_interval", _positive_duration, 10.0),
         max_messages_per_trigger=ing.get("max_messages_per_trigger", positive_int, 500_000),
         messages_per_partition=ing.get("messages_per_partition", positive_int, 50_000),
-        fail_on_data_loss=ing.get("fail_on_data_loss", _boolean, True),
+        fail_on_data_loss=ing.get("fail_on_data_loss", boolean, True),
         payload_schema=ing.get("payload_schema", _payload_schema, None),
         clock_tolerance=ing.get("clock_tolerance", parse_duration, 120.0),
-        compact_after_run=ing.get("compact_after_run", _boolean, False),
+        compact_after_run=ing.get("compact_after_run", boolean, False),
         keep_snapshots=ing.get("keep_snapshots", parse_duration, 86400.0),
         compact_file_size=ing.get("compact_file_size", parse_size, 256 * 1024**2),
     )
@@ -325,6 +321,7 @@ def _server(srv: Section, state_dir: Path, home: Path) -> ServerConfig:
         leaf_tls=_leaf_tls(srv.table("leaf_tls")) if srv.has("leaf_tls") else None,
         admission=srv.get("admission", _admission, "callout"),
         link_life=srv.get("link_life", _positive_duration, 86400.0),
+        shared_key_hold=srv.get("shared_key_hold", parse_duration, 600.0),
     )
     srv.finish()
     return server
@@ -335,7 +332,7 @@ def _leaf_tls(section: Section) -> LeafTlsConfig:
         cert_file=section.get("cert_file", path),
         key_file=section.get("key_file", path),
         ca_file=section.get("ca_file", path, None),
-        verify=section.get("verify", _boolean, False),
+        verify=section.get("verify", boolean, False),
     )
     section.finish()
     if tls.verify and tls.ca_file is None:

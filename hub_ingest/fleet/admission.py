@@ -165,7 +165,7 @@ class Admission:
         self.tally = Tally(config.server.server_name)
         self._refusals: dict[str, tuple[float, int]] = {}  # reason → (last logged, since)
         self.links = Links(lambda device: granted(device, config.nats.domain))
-        self._shared = SharedKeys()
+        self._shared = SharedKeys(config.server.shared_key_hold)
         self._look: Look = {}  # every node's links, as last looked at (a cluster's)
         self._look_failing = ""  # the last look's error, logged once
         self._cutter = Cutter(config, self.links)
@@ -261,12 +261,12 @@ class Admission:
             not_logged_since=since,
         )
 
-    def _note_link(self, device_id: str, cid: int, request: dict[str, Any]) -> None:
-        if self._shared.admitted(device_id, time.monotonic()):
+    def _note_link(self, device: Device, cid: int, request: dict[str, Any]) -> None:
+        if self._shared.admitted(device.device_id, time.monotonic()):
             host = (request.get("client_info") or {}).get("host")
-            self._on_two_machines(device_id, f"the link let in last is from {host}")
+            self._on_two_machines(device, f"the link let in last is from {host}")
         else:
-            log.debug("device_admitted", device_id=device_id, cid=cid)
+            log.debug("device_admitted", device_id=device.device_id, cid=cid)
 
     async def _look_at_links(self, nodes: int) -> None:
         """Mark shared the devices linked on two nodes at once (`shared_keys.linked_twice`)."""
@@ -282,13 +282,17 @@ class Admission:
         for name in linked_twice(self._look, look):
             if (device := by_leaf.get(name)) is not None:
                 on = sorted({server for server, _ in look[name]})
-                self._on_two_machines(device.device_id, f"linked on nodes {', '.join(on)}")
+                self._on_two_machines(device, f"linked on nodes {', '.join(on)}")
         self._look = look
 
-    def _on_two_machines(self, device_id: str, where: str) -> None:
+    def _on_two_machines(self, device: Device, where: str) -> None:
+        """Count it, and hold the device's links off: cut those up, refuse the next ones."""
+        device_id = device.device_id
         links = self.tally.shared_link(device_id)
         if links % SHARED_LOG_EVERY == 1:  # two machines on one node link about once a second
             log.error("device_key_on_two_machines", device_id=device_id, links=links, where=where)
+        if self._shared.hold(device_id, time.monotonic()):
+            self.links.cut_key(device.nkey, "key on two machines")
 
     def decide(self, request: dict[str, Any]) -> Verdict:
         """Whether the connection `request` describes is a registered device's."""
@@ -302,6 +306,8 @@ class Admission:
         device = self._by_key.get(key)
         if device is None:
             return Verdict(None, f"key {key} is not registered")
+        if self._shared.held(device.device_id, time.monotonic()):
+            return Verdict(None, f"device {device.device_id}'s key is in use on two machines")
         return Verdict(device, "registered")
 
     async def _answer(self, msg: Msg) -> None:
@@ -324,7 +330,7 @@ class Admission:
             response["jwt"] = sign(self._issuer, claims)
             self.tally.admitted += 1
             self.links.admitted(server, cid, verdict.device.nkey, verdict.device)
-            self._note_link(verdict.device.device_id, cid, request)
+            self._note_link(verdict.device, cid, request)
         else:
             response["error"] = f"not admitted: {verdict.reason}"
             self.tally.refusal(verdict.reason)

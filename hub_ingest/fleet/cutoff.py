@@ -105,6 +105,12 @@ class Links:
             return
         self._by_key[key] = deque([*read, *known], maxlen=KEPT)  # the newest kept
 
+    def cut_key(self, key: str, reason: str) -> None:
+        """Mark every link of `key` for cutting."""
+        if links := self._by_key.pop(key, None):
+            self._mark(links, reason)
+            self.unsaved.add(key)
+
     def check(self, registered: Mapping[str, Device]) -> None:
         """Mark for cutting the links whose device `registered` (by key) no longer has, or
         would let in with other permissions."""

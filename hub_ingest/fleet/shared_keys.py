@@ -11,7 +11,10 @@ one or the other are lost with no gap to see, and both run the device's commands
 
 The watcher that lets the links in (`hub_ingest.fleet.admission`) counts, per device, the
 links let in within `QUICK_S` of the one before; `SHARED_AT` of them within `WINDOW_S` and
-the device is marked shared in its figures, where `report` flags and names it. A link
+the device is marked shared in its figures, where `report` flags and names it, its links
+are cut and every machine with its key is refused for ``server.shared_key_hold``: their
+readings wait on their islands instead of being lost in the mix, until an operator gives
+the copy an identity of its own (or the hold ends, and the count begins again). A link
 that drops as soon as it is up looks the same, and deserves the same look. A restart's
 storm lets a device in a few times at most, then stops.
 
@@ -41,9 +44,11 @@ Look = dict[str, dict[tuple[str, int], int]]
 class SharedKeys:
     """The devices whose links keep replacing each other, as one watcher sees them."""
 
-    def __init__(self) -> None:
+    def __init__(self, hold: float) -> None:
+        self._hold = hold
         self._last: dict[str, float] = {}  # by device: when its last link was let in
         self._quick: dict[str, deque[float]] = {}  # by device: its latest quick links
+        self._held: dict[str, float] = {}  # by device: until when its links are refused
 
     def admitted(self, device_id: str, now: float) -> bool:
         """Note a link of `device_id` let in at `now` (monotonic seconds); whether the device
@@ -54,6 +59,23 @@ class SharedKeys:
         quick = self._quick.setdefault(device_id, deque(maxlen=SHARED_AT))
         quick.append(now)
         return len(quick) == SHARED_AT and now - quick[0] <= WINDOW_S
+
+    def hold(self, device_id: str, now: float) -> bool:
+        """Refuse `device_id`'s links from `now` for the hold; whether they are (not with a
+        hold of 0)."""
+        if self._hold <= 0:
+            return False
+        self._held[device_id] = now + self._hold
+        self._quick.pop(device_id, None)  # counted again from the hold's end
+        return True
+
+    def held(self, device_id: str, now: float) -> bool:
+        """Whether `device_id`'s links are refused at `now`."""
+        until = self._held.get(device_id)
+        if until is not None and now >= until:
+            del self._held[device_id]
+            return False
+        return until is not None
 
 
 def look_of(answers: Iterable[Mapping[str, Any]]) -> Look:

@@ -145,6 +145,7 @@ max_memory_store = {srv.max_memory_store}
 sync = {json.dumps(format_sync(srv.sync))}
 admission = {json.dumps(srv.admission)}
 link_life = {srv.link_life}
+shared_key_hold = {srv.shared_key_hold}
 [commands]
 max_bytes = {config.commands.max_bytes}
 max_age = {config.commands.max_age}
