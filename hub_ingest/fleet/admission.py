@@ -28,6 +28,7 @@ import hashlib
 import json
 import random
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,7 +46,15 @@ from hub_ingest.fleet.admission_figures import WRITE_S, Tally, write_figures
 from hub_ingest.fleet.auth import derived_keys, device_permissions, devices_account
 from hub_ingest.fleet.cutoff import Cutter, Links, load_links, save_links
 from hub_ingest.fleet.registry import Device, Registry
-from hub_ingest.fleet.shared_keys import LOOK_S, Look, SharedKeys, linked_twice, look_of
+from hub_ingest.fleet.shared_keys import (
+    DISCONNECTS,
+    LOOK_S,
+    Look,
+    SharedKeys,
+    linked_twice,
+    look_of,
+    replaced_leaf,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -160,6 +169,7 @@ class Admission:
         self._issuer = issuer(config)
         self._registry: Registry | None = None
         self._by_key: dict[str, Device] = {}
+        self._by_leaf: dict[str, Device] = {}  # by the names its island may link with
         self._read_at = -REFRESH_S  # when the last read of the registry began (monotonic)
         self._reading: asyncio.Task[None] | None = None
         self.tally = Tally(config.server.server_name)
@@ -167,7 +177,8 @@ class Admission:
         self.links = Links(lambda device: granted(device, config.nats.domain))
         self._shared = SharedKeys(config.server.shared_key_hold)
         self._look: Look = {}  # every node's links, as last looked at (a cluster's)
-        self._look_failing = ""  # the last look's error, logged once
+        self._watching_replaced = False  # the system account's disconnect events
+        self._system_failing = ""  # the last error of the system connection, logged once
         self._cutter = Cutter(config, self.links)
 
     async def refresh(self) -> None:
@@ -187,7 +198,9 @@ class Admission:
     async def _read(self) -> None:
         if self._registry is None:
             self._registry = await Registry.open(self._js)
-        self._by_key = {d.nkey: d for d in await self._registry.list()}
+        devices = await self._registry.list()
+        self._by_key = {d.nkey: d for d in devices}
+        self._by_leaf = {name: d for d in devices for name in d.leaf_names}
         self.links.check(self._by_key)
 
     async def _fresh(self) -> None:
@@ -219,9 +232,9 @@ class Admission:
                         loaded = True
                     await self._cutter.cut_marked()
                     await save_links(self._js, self.links)
-                    if self._config.cluster and time.monotonic() - looked_at >= LOOK_S:
+                    if time.monotonic() - looked_at >= LOOK_S:
                         looked_at = time.monotonic()
-                        await self._look_at_links(len(self._config.cluster.nodes))
+                        await self._as_system(self._keys_on_two_machines())
                     if time.monotonic() - written_at >= WRITE_S:
                         figures = self.tally.figures(self.links.cut)
                         await write_figures(self._js, figures)
@@ -261,26 +274,44 @@ class Admission:
             not_logged_since=since,
         )
 
-    def _note_link(self, device: Device, cid: int, request: dict[str, Any]) -> None:
-        if self._shared.admitted(device.device_id, time.monotonic()):
-            host = (request.get("client_info") or {}).get("host")
-            self._on_two_machines(device, f"the link let in last is from {host}")
-        else:
-            log.debug("device_admitted", device_id=device.device_id, cid=cid)
+    async def _as_system(self, step: Awaitable[None]) -> bool:
+        """Run `step` on the system account's connection; whether it ran (a failure is logged
+        once: the cutter's, sharing that connection, is too)."""
+        try:
+            await step
+        except (nats.errors.Error, OSError) as exc:
+            if repr(exc) != self._system_failing:
+                log.warning("system_connection_failed", error=repr(exc))
+            self._system_failing = repr(exc)
+            return False
+        self._system_failing = ""
+        return True
+
+    async def _keys_on_two_machines(self) -> None:
+        """Count the links replaced from now on, and on a cluster look at every node's."""
+        if not self._watching_replaced:
+            await self._cutter.subscribe(DISCONNECTS, self._on_disconnect)
+            self._watching_replaced = True
+        if self._config.cluster:
+            await self._look_at_links(len(self._config.cluster.nodes))
+
+    async def _on_disconnect(self, msg: Msg) -> None:
+        """Count a device's link closed as replaced by a newer one of its name."""
+        try:
+            event = json.loads(msg.data)
+            name = replaced_leaf(event)
+        except (ValueError, AttributeError):
+            return
+        device = self._by_leaf.get(name or "")
+        if device is not None and self._shared.replaced(device.device_id, time.monotonic()):
+            host = event["client"].get("host")
+            self._on_two_machines(device, f"its link from {host} was replaced")
 
     async def _look_at_links(self, nodes: int) -> None:
         """Mark shared the devices linked on two nodes at once (`shared_keys.linked_twice`)."""
-        try:
-            look = look_of(await self._cutter.every_leafz(nodes))
-        except (nats.errors.Error, OSError) as exc:
-            if repr(exc) != self._look_failing:  # as the cutter's, which shares the connection
-                log.warning("links_look_failed", error=repr(exc))
-            self._look_failing = repr(exc)
-            return
-        self._look_failing = ""
-        by_leaf = {name: d for d in self._by_key.values() for name in d.leaf_names}
+        look = look_of(await self._cutter.every_leafz(nodes))
         for name in linked_twice(self._look, look):
-            if (device := by_leaf.get(name)) is not None:
+            if (device := self._by_leaf.get(name)) is not None:
                 on = sorted({server for server, _ in look[name]})
                 self._on_two_machines(device, f"linked on nodes {', '.join(on)}")
         self._look = look
@@ -289,7 +320,7 @@ class Admission:
         """Count it, and hold the device's links off: cut those up, refuse the next ones."""
         device_id = device.device_id
         links = self.tally.shared_link(device_id)
-        if links % SHARED_LOG_EVERY == 1:  # two machines on one node link about once a second
+        if links % SHARED_LOG_EVERY == 1:  # two machines on one node: about once a second
             log.error("device_key_on_two_machines", device_id=device_id, links=links, where=where)
         if self._shared.hold(device_id, time.monotonic()):
             self.links.cut_key(device.nkey, "key on two machines")
@@ -330,7 +361,7 @@ class Admission:
             response["jwt"] = sign(self._issuer, claims)
             self.tally.admitted += 1
             self.links.admitted(server, cid, verdict.device.nkey, verdict.device)
-            self._note_link(verdict.device, cid, request)
+            log.debug("device_admitted", device_id=verdict.device.device_id, cid=cid)
         else:
             response["error"] = f"not admitted: {verdict.reason}"
             self.tally.refusal(verdict.reason)
