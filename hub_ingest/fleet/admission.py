@@ -75,7 +75,7 @@ READ_WAIT_S = 0.25
 # reason is logged once, then once a `REFUSAL_LOG_S` with how many were not, and at most
 # `_REASONS_KEPT` reasons are remembered (a stranger may try a new key each time).
 REFUSAL_LOG_S = 60.0
-SHARED_LOG_EVERY = 100  # links of a device whose key is on two machines
+SHARED_LOG_EVERY = 100  # times a device's key is seen on two machines, between two logs
 _REASONS_KEPT = 1000
 
 

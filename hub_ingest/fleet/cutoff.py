@@ -178,7 +178,8 @@ async def _quiet(exc: Exception) -> None:
 
 
 class Cutter:
-    """Closes the links `Links` marked, over a connection of the system account's user."""
+    """Closes the links `Links` marked, over a connection of the system account's user; the
+    watcher's looks at every server's links go over it too (`fleet.shared_keys`)."""
 
     def __init__(self, config: HubConfig, links: Links) -> None:
         self._config, self._links = config, links
