@@ -40,13 +40,12 @@ from hub_ingest.fleet.enrol import retire
 from hub_ingest.fleet.registry import Device, Incarnation, Registry
 from hub_ingest.fleet.server import render_server_config
 from hub_ingest.fleet.shared_keys import (
-    REPLACED,
+    QUICK_S,
     SHARED_AT,
     WINDOW_S,
     SharedKeys,
     linked_twice,
     look_of,
-    replaced_leaf,
 )
 from hub_ingest.local.fleet import loopback_hub_config
 from hub_ingest.report.collect import collect_report
@@ -384,26 +383,20 @@ async def test_a_device_key_on_two_machines_is_flagged_and_held_off(hub: Hub) ->
 
 
 def test_a_key_is_shared_when_its_links_keep_replacing_each_other() -> None:
-    """`SHARED_AT` links closed as replaced within `WINDOW_S`: a restart's few redials, or
-    replacements minutes apart, are not; other disconnects are not counted at all."""
+    """Quick links (each within `QUICK_S` of the one before), `SHARED_AT` of them within
+    `WINDOW_S`: a restart's few redials, or links seconds apart, are not."""
     keys = SharedKeys(hold=0.0)
-    assert not any(keys.replaced("storm", t * 0.5) for t in range(5))
-    slow = [keys.replaced("slow", t * WINDOW_S / (SHARED_AT - 1.5)) for t in range(3 * SHARED_AT)]
-    assert not any(slow)
-    seen = [keys.replaced("copied", t * 1.0) for t in range(SHARED_AT)]
+    assert not any(keys.admitted("storm", t * 0.5) for t in range(5))
+    assert not any(keys.admitted("apart", t * (QUICK_S + 1)) for t in range(3 * SHARED_AT))
+    seen = [keys.admitted("copied", t * 1.0) for t in range(SHARED_AT + 1)]
     assert seen[-1] and not any(seen[:-1])
+    slow = [keys.admitted("slow", t * QUICK_S) for t in range(3 * SHARED_AT)]
+    assert not any(slow)  # a quick link each 5 s: fewer than `SHARED_AT` in `WINDOW_S`
 
     assert not keys.hold("copied", 30.0) and not keys.held("copied", 30.0)  # 0: never held
     held = SharedKeys(hold=600.0)
     assert held.hold("copied", 30.0)
     assert held.held("copied", 629.0) and not held.held("copied", 630.0)
-
-    def event(reason: str, kind: str = "Leafnode") -> dict[str, Any]:
-        return {"client": {"kind": kind, "name": "edge-a"}, "reason": reason}
-
-    assert replaced_leaf(event(REPLACED)) == "edge-a"
-    assert replaced_leaf(event("Client Closed")) is None  # a link that dropped
-    assert replaced_leaf(event(REPLACED, kind="Client")) is None
 
 
 def test_a_name_is_linked_twice_when_both_its_links_carried_messages_since_the_last_look() -> None:

@@ -46,15 +46,7 @@ from hub_ingest.fleet.admission_figures import WRITE_S, Tally, write_figures
 from hub_ingest.fleet.auth import derived_keys, device_permissions, devices_account
 from hub_ingest.fleet.cutoff import Cutter, Links, load_links, save_links
 from hub_ingest.fleet.registry import Device, Registry
-from hub_ingest.fleet.shared_keys import (
-    DISCONNECTS,
-    LOOK_S,
-    Look,
-    SharedKeys,
-    linked_twice,
-    look_of,
-    replaced_leaf,
-)
+from hub_ingest.fleet.shared_keys import LOOK_S, Look, SharedKeys, linked_twice, look_of
 
 log = structlog.get_logger(__name__)
 
@@ -177,7 +169,6 @@ class Admission:
         self.links = Links(lambda device: granted(device, config.nats.domain))
         self._shared = SharedKeys(config.server.shared_key_hold)
         self._look: Look = {}  # every node's links, as last looked at (a cluster's)
-        self._watching_replaced = False  # the system account's disconnect events
         self._system_failing = ""  # the last error of the system connection, logged once
         self._cutter = Cutter(config, self.links)
 
@@ -232,9 +223,9 @@ class Admission:
                         loaded = True
                     await self._cutter.cut_marked()
                     await save_links(self._js, self.links)
-                    if time.monotonic() - looked_at >= LOOK_S:
+                    if self._config.cluster and time.monotonic() - looked_at >= LOOK_S:
                         looked_at = time.monotonic()
-                        await self._as_system(self._keys_on_two_machines())
+                        await self._as_system(self._look_at_links(len(self._config.cluster.nodes)))
                     if time.monotonic() - written_at >= WRITE_S:
                         figures = self.tally.figures(self.links.cut)
                         await write_figures(self._js, figures)
@@ -287,25 +278,12 @@ class Admission:
         self._system_failing = ""
         return True
 
-    async def _keys_on_two_machines(self) -> None:
-        """Count the links replaced from now on, and on a cluster look at every node's."""
-        if not self._watching_replaced:
-            await self._cutter.subscribe(DISCONNECTS, self._on_disconnect)
-            self._watching_replaced = True
-        if self._config.cluster:
-            await self._look_at_links(len(self._config.cluster.nodes))
-
-    async def _on_disconnect(self, msg: Msg) -> None:
-        """Count a device's link closed as replaced by a newer one of its name."""
-        try:
-            event = json.loads(msg.data)
-            name = replaced_leaf(event)
-        except (ValueError, AttributeError):
-            return
-        device = self._by_leaf.get(name or "")
-        if device is not None and self._shared.replaced(device.device_id, time.monotonic()):
-            host = event["client"].get("host")
-            self._on_two_machines(device, f"its link from {host} was replaced")
+    def _note_link(self, device: Device, cid: int, request: dict[str, Any]) -> None:
+        if self._shared.admitted(device.device_id, time.monotonic()):
+            host = (request.get("client_info") or {}).get("host")
+            self._on_two_machines(device, f"the link let in last is from {host}")
+        else:
+            log.debug("device_admitted", device_id=device.device_id, cid=cid)
 
     async def _look_at_links(self, nodes: int) -> None:
         """Mark shared the devices linked on two nodes at once (`shared_keys.linked_twice`)."""
@@ -320,7 +298,7 @@ class Admission:
         """Count it, and hold the device's links off: cut those up, refuse the next ones."""
         device_id = device.device_id
         links = self.tally.shared_link(device_id)
-        if links % SHARED_LOG_EVERY == 1:  # two machines on one node: about once a second
+        if links % SHARED_LOG_EVERY == 1:  # two machines on one node link about once a second
             log.error("device_key_on_two_machines", device_id=device_id, links=links, where=where)
         if self._shared.hold(device_id, time.monotonic()):
             self.links.cut_key(device.nkey, "key on two machines")
@@ -361,7 +339,7 @@ class Admission:
             response["jwt"] = sign(self._issuer, claims)
             self.tally.admitted += 1
             self.links.admitted(server, cid, verdict.device.nkey, verdict.device)
-            log.debug("device_admitted", device_id=verdict.device.device_id, cid=cid)
+            self._note_link(verdict.device, cid, request)
         else:
             response["error"] = f"not admitted: {verdict.reason}"
             self.tally.refusal(verdict.reason)

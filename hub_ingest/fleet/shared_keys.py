@@ -1,22 +1,25 @@
 """A device key in use on two machines at once: a disk copied after enrolment.
 
 A device's island links with its key and its server name, and nats-server keeps one link
-per name and account, closing the older one when a newer one comes ("Replacing connection
-from same server", the closed link's reason `REPLACED`). A device whose link dropped
-unnoticed by the hub dials again and replaces it once. Two machines holding one device's
-key (a disk image taken from an enrolled device and written to others) replace each other
-for as long as both run, about once a second. Their islands hold different messages under
-the same sequences; the hub mirrors from whichever is linked, and a mirror takes only
-sequences above its last: readings of one or the other are lost with no gap to see, and
-both run the device's commands.
+per name and account on a node, closing the older one when a newer one comes ("Replacing
+connection from same server"). A device whose link dropped dials again and is let in once.
+Two machines holding one device's key (a disk image taken from an enrolled device and
+written to others) push each other off for as long as both run, each let in a second or so
+after the other. Their islands hold different messages under the same sequences; the hub
+mirrors from whichever is linked, and a mirror takes only sequences above its last:
+readings of one or the other are lost with no gap to see, and both run the device's
+commands.
 
-The watchers (`hub_ingest.fleet.admission`) read the system account's disconnect events
-and count, per device, its links closed as replaced; `SHARED_AT` of them within `WINDOW_S`
-and the device is marked shared in the figures, where `report` flags and names it, its
-links are cut and every machine with its key is refused for ``server.shared_key_hold``:
-their readings wait on their islands instead of being lost in the mix, until an operator
-gives the copy an identity of its own (or the hold ends, and the count begins again). A
-restart's storm replaces a device's link a few times at most, then stops.
+The watcher that lets the links in (`hub_ingest.fleet.admission`) counts, per device, the
+links let in within `QUICK_S` of the one before; `SHARED_AT` of them within `WINDOW_S` and
+the device is marked shared in the figures, where `report` flags and names it, its links
+are cut and every machine with its key is refused for ``server.shared_key_hold``: their
+readings wait on their islands instead of being lost in the mix, until an operator gives
+the copy an identity of its own (or the hold ends, and the count begins again). A restart's
+storm lets a device in a few times at most; a link that drops as soon as it is up, over and
+over, looks the same. (nats-server's own word, the system account's disconnect events with
+the reason "Duplicate Remote LeafNode Connection", would tell the two apart, but reading
+them made a restart of 500 devices 20 s slower: docs/scaling.md.)
 
 On a cluster nats-server closes the older link of a name on its own node only: two
 machines linked to different nodes both stay up, and both answer the hub. So every
@@ -32,22 +35,13 @@ from collections import deque
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+QUICK_S = 5.0
 SHARED_AT = 20
-WINDOW_S = 120.0
+WINDOW_S = 60.0
 LOOK_S = 15.0
-DISCONNECTS = "$SYS.ACCOUNT.*.DISCONNECT"  # the system account's events, any account's
-REPLACED = "Duplicate Remote LeafNode Connection"  # nats-server's reason
 
 # By leaf name: each of its links, (server name, connection id), and the messages it carried in.
 Look = dict[str, dict[tuple[str, int], int]]
-
-
-def replaced_leaf(event: Mapping[str, Any]) -> str | None:
-    """The name of the leaf whose link a disconnect event says a newer one replaced."""
-    client = event.get("client") or {}
-    if event.get("reason") != REPLACED or client.get("kind") != "Leafnode":
-        return None
-    return str(client.get("name") or "") or None
 
 
 class SharedKeys:
@@ -55,15 +49,19 @@ class SharedKeys:
 
     def __init__(self, hold: float) -> None:
         self._hold = hold
-        self._replaced: dict[str, deque[float]] = {}  # by device: its latest replacements
+        self._last: dict[str, float] = {}  # by device: when its last link was let in
+        self._quick: dict[str, deque[float]] = {}  # by device: its latest quick links
         self._held: dict[str, float] = {}  # by device: until when its links are refused
 
-    def replaced(self, device_id: str, now: float) -> bool:
-        """Note a link of `device_id` replaced at `now` (monotonic seconds); whether the
-        device now looks shared."""
-        times = self._replaced.setdefault(device_id, deque(maxlen=SHARED_AT))
-        times.append(now)
-        return len(times) == SHARED_AT and now - times[0] <= WINDOW_S
+    def admitted(self, device_id: str, now: float) -> bool:
+        """Note a link of `device_id` let in at `now` (monotonic seconds); whether the device
+        now looks shared."""
+        last, self._last[device_id] = self._last.get(device_id), now
+        if last is None or now - last > QUICK_S:
+            return False
+        quick = self._quick.setdefault(device_id, deque(maxlen=SHARED_AT))
+        quick.append(now)
+        return len(quick) == SHARED_AT and now - quick[0] <= WINDOW_S
 
     def hold(self, device_id: str, now: float) -> bool:
         """Refuse `device_id`'s links from `now` for the hold; whether they are (not with a
@@ -71,7 +69,7 @@ class SharedKeys:
         if self._hold <= 0:
             return False
         self._held[device_id] = now + self._hold
-        self._replaced.pop(device_id, None)  # counted again from the hold's end
+        self._quick.pop(device_id, None)  # counted again from the hold's end
         return True
 
     def held(self, device_id: str, now: float) -> bool:
