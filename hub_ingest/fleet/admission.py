@@ -265,18 +265,17 @@ class Admission:
             not_logged_since=since,
         )
 
-    async def _as_system(self, step: Awaitable[None]) -> bool:
-        """Run `step` on the system account's connection; whether it ran (a failure is logged
-        once: the cutter's, sharing that connection, is too)."""
+    async def _as_system(self, step: Awaitable[None]) -> None:
+        """Run `step` on the system account's connection; a failure is logged once (as the
+        cutter's, sharing that connection, is)."""
         try:
             await step
         except (nats.errors.Error, OSError) as exc:
             if repr(exc) != self._system_failing:
                 log.warning("system_connection_failed", error=repr(exc))
             self._system_failing = repr(exc)
-            return False
-        self._system_failing = ""
-        return True
+        else:
+            self._system_failing = ""
 
     def _note_link(self, device: Device, cid: int, request: dict[str, Any]) -> None:
         if self._shared.admitted(device.device_id, time.monotonic()):
