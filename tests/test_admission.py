@@ -41,11 +41,13 @@ from hub_ingest.fleet.registry import Device, Incarnation, Registry
 from hub_ingest.fleet.server import render_server_config
 from hub_ingest.fleet.shared_keys import (
     QUICK_S,
+    REPLACED,
     SHARED_AT,
     WINDOW_S,
     SharedKeys,
     linked_twice,
     look_of,
+    replaced_leaf,
 )
 from hub_ingest.local.fleet import loopback_hub_config
 from hub_ingest.report.collect import collect_report
@@ -384,7 +386,8 @@ async def test_a_device_key_on_two_machines_is_flagged_and_held_off(hub: Hub) ->
 
 def test_a_key_is_shared_when_its_links_keep_replacing_each_other() -> None:
     """Quick links (each within `QUICK_S` of the one before), `SHARED_AT` of them within
-    `WINDOW_S`: a restart's few redials, or links seconds apart, are not."""
+    `WINDOW_S` make a suspect; a restart's few redials, or links seconds apart, do not.
+    Only links closed as replaced confirm it."""
     keys = SharedKeys(hold=0.0)
     assert not any(keys.admitted("storm", t * 0.5) for t in range(5))
     assert not any(keys.admitted("apart", t * (QUICK_S + 1)) for t in range(3 * SHARED_AT))
@@ -397,6 +400,13 @@ def test_a_key_is_shared_when_its_links_keep_replacing_each_other() -> None:
     held = SharedKeys(hold=600.0)
     assert held.hold("copied", 30.0)
     assert held.held("copied", 629.0) and not held.held("copied", 630.0)
+
+    def event(reason: str, kind: str = "Leafnode") -> dict[str, Any]:
+        return {"client": {"kind": kind, "name": "edge-a"}, "reason": reason}
+
+    assert replaced_leaf(event(REPLACED)) == "edge-a"
+    assert replaced_leaf(event("Client Closed")) is None  # a link that dropped
+    assert replaced_leaf(event(REPLACED, kind="Client")) is None
 
 
 def test_a_name_is_linked_twice_when_both_its_links_carried_messages_since_the_last_look() -> None:

@@ -46,7 +46,17 @@ from hub_ingest.fleet.admission_figures import WRITE_S, Tally, write_figures
 from hub_ingest.fleet.auth import derived_keys, device_permissions, devices_account
 from hub_ingest.fleet.cutoff import Cutter, Links, load_links, save_links
 from hub_ingest.fleet.registry import Device, Registry
-from hub_ingest.fleet.shared_keys import LOOK_S, Look, SharedKeys, linked_twice, look_of
+from hub_ingest.fleet.shared_keys import (
+    CONFIRM_S,
+    DISCONNECTS,
+    LOOK_S,
+    REPLACED_AT,
+    Look,
+    SharedKeys,
+    linked_twice,
+    look_of,
+    replaced_leaf,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -170,6 +180,8 @@ class Admission:
         self._shared = SharedKeys(config.server.shared_key_hold)
         self._look: Look = {}  # every node's links, as last looked at (a cluster's)
         self._system_failing = ""  # the last error of the system connection, logged once
+        # By device: the count of its replaced links under way (`_confirm`).
+        self._suspects: dict[str, asyncio.Task[None]] = {}
         self._cutter = Cutter(config, self.links)
 
     async def refresh(self) -> None:
@@ -242,6 +254,8 @@ class Admission:
         finally:
             if self._reading is not None:
                 self._reading.cancel()
+            for task in list(self._suspects.values()):
+                task.cancel()
             await sub.unsubscribe()
             await self._cutter.close()
 
@@ -277,12 +291,32 @@ class Admission:
         else:
             self._system_failing = ""
 
-    def _note_link(self, device: Device, cid: int, request: dict[str, Any]) -> None:
-        if self._shared.admitted(device.device_id, time.monotonic()):
-            host = (request.get("client_info") or {}).get("host")
-            self._on_two_machines(device, f"the link let in last is from {host}")
-        else:
-            log.debug("device_admitted", device_id=device.device_id, cid=cid)
+    def _note_link(self, device: Device, cid: int) -> None:
+        log.debug("device_admitted", device_id=device.device_id, cid=cid)
+        device_id = device.device_id
+        if self._shared.admitted(device_id, time.monotonic()) and device_id not in self._suspects:
+            task = asyncio.create_task(self._as_system(self._confirm(device)))
+            self._suspects[device_id] = task
+            task.add_done_callback(lambda _: self._suspects.pop(device_id, None))
+
+    async def _confirm(self, device: Device) -> None:
+        """Count `device`'s links closed as replaced for `CONFIRM_S`: a machine pushing
+        another off, not a device linking again and again on its own."""
+        hosts: list[str] = []
+
+        async def on_event(msg: Msg) -> None:
+            with contextlib.suppress(ValueError, AttributeError):
+                event = json.loads(msg.data)
+                if replaced_leaf(event) in device.leaf_names:
+                    hosts.append(str(event["client"].get("host")))
+
+        sub = await self._cutter.subscribe(DISCONNECTS, on_event)
+        try:
+            await asyncio.sleep(CONFIRM_S)  # a window of events, not a wait for a state
+        finally:
+            await sub.unsubscribe()
+        if len(hosts) >= REPLACED_AT:
+            self._on_two_machines(device, f"{len(hosts)} links replaced, from {sorted(set(hosts))}")
 
     async def _look_at_links(self, nodes: int) -> None:
         """Mark shared the devices linked on two nodes at once (`shared_keys.linked_twice`)."""
@@ -338,7 +372,7 @@ class Admission:
             response["jwt"] = sign(self._issuer, claims)
             self.tally.admitted += 1
             self.links.admitted(server, cid, verdict.device.nkey, verdict.device)
-            self._note_link(verdict.device, cid, request)
+            self._note_link(verdict.device, cid)
         else:
             response["error"] = f"not admitted: {verdict.reason}"
             self.tally.refusal(verdict.reason)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +32,8 @@ import nats
 import nats.errors
 import structlog
 from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js.errors import BucketNotFoundError
 
@@ -228,6 +230,10 @@ class Cutter:
         if error == _GONE:
             return False
         raise nats.errors.Error(f"{subject}: {error}")
+
+    async def subscribe(self, subject: str, cb: Callable[[Msg], Awaitable[None]]) -> Subscription:
+        """What the system account receives on `subject`, to `cb`."""
+        return await (await self._connection()).subscribe(subject, cb=cb)
 
     async def every_leafz(self, servers: int) -> list[dict[str, Any]]:
         """The ``/leafz`` of every server that answers within `KICK_TIMEOUT_S` (up to

@@ -11,15 +11,16 @@ readings of one or the other are lost with no gap to see, and both run the devic
 commands.
 
 The watcher that lets the links in (`hub_ingest.fleet.admission`) counts, per device, the
-links let in within `QUICK_S` of the one before; `SHARED_AT` of them within `WINDOW_S` and
-the device is marked shared in the figures, where `report` flags and names it, its links
-are cut and every machine with its key is refused for ``server.shared_key_hold``: their
-readings wait on their islands instead of being lost in the mix, until an operator gives
-the copy an identity of its own (or the hold ends, and the count begins again). A restart's
-storm lets a device in a few times at most; a link that drops as soon as it is up, over and
-over, looks the same. (nats-server's own word, the system account's disconnect events with
-the reason "Duplicate Remote LeafNode Connection", would tell the two apart, but reading
-them made a restart of 500 devices 20 s slower: docs/scaling.md.)
+links let in within `QUICK_S` of the one before; `SHARED_AT` of them within `WINDOW_S` make
+it a suspect, as a device whose power fails every few seconds is too. So for `CONFIRM_S` the
+watcher then reads the system account's disconnect events, and `REPLACED_AT` of the
+suspect's links closed as replaced by a newer one of its name (a link whose machine lost
+power is closed, not replaced) mark the device shared in the figures, where `report` flags
+and names it; its links are cut and every machine with its key is refused for
+``server.shared_key_hold``: their readings wait on their islands instead of being lost in
+the mix, until an operator gives the copy an identity of its own (or the hold ends, and the
+count begins again). A restart's storm lets a device in a few times at most. (Reading those
+events all the time made a restart of 500 devices 20 s slower: docs/scaling.md.)
 
 On a cluster nats-server closes the older link of a name on its own node only: two
 machines linked to different nodes both stay up, and both answer the hub. So every
@@ -38,10 +39,22 @@ from typing import Any
 QUICK_S = 5.0
 SHARED_AT = 20
 WINDOW_S = 60.0
+CONFIRM_S = 10.0
+REPLACED_AT = 3
 LOOK_S = 15.0
+DISCONNECTS = "$SYS.ACCOUNT.*.DISCONNECT"  # the system account's events, any account's
+REPLACED = "Duplicate Remote LeafNode Connection"  # nats-server's reason
 
 # By leaf name: each of its links, (server name, connection id), and the messages it carried in.
 Look = dict[str, dict[tuple[str, int], int]]
+
+
+def replaced_leaf(event: Mapping[str, Any]) -> str | None:
+    """The name of the leaf whose link a disconnect event says a newer one replaced."""
+    client = event.get("client") or {}
+    if event.get("reason") != REPLACED or client.get("kind") != "Leafnode":
+        return None
+    return str(client.get("name") or "") or None
 
 
 class SharedKeys:
