@@ -249,8 +249,9 @@ class Admission:
                     if repr(exc) != failing:
                         log.warning("admission_refresh_failed", error=repr(exc))
                     failing = repr(exc)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), REFRESH_S)
+                with contextlib.suppress(TimeoutError):  # not `wait_for`: see `watch._repeat`
+                    async with asyncio.timeout(REFRESH_S):
+                        await stop.wait()
         finally:
             if self._reading is not None:
                 self._reading.cancel()

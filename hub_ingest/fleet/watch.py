@@ -260,8 +260,11 @@ async def _repeat(
             if failing is None or failing[0] != repr(exc):
                 log.warning(f"{name}_failed", error=repr(exc))
             failing = (repr(exc), failing[1] + 1 if failing else 1)
+        # Not `wait_for`: on Python 3.11 it can swallow a cancel that comes as it times out,
+        # and a watcher killed (cancelled) then runs on, its task group never ending.
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), interval)
+            async with asyncio.timeout(interval):
+                await stop.wait()
 
 
 @dataclass
