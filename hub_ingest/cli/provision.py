@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import signal
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ from edge_agent.protocol.natsserver import check_version, resolve_nats_server
 from hub_ingest.core.config import HubConfig
 from hub_ingest.core.connect import hub_connection, hub_jetstream
 from hub_ingest.core.errors import ConfigError
+from hub_ingest.core.rounds import next_round
 from hub_ingest.fleet.auth import sync_users, write_auth
 from hub_ingest.fleet.provision import provision
 from hub_ingest.fleet.registry import Registry
@@ -114,8 +114,7 @@ async def _keep_users(js: JetStreamContext, config: HubConfig, stop: asyncio.Eve
             await sync_users(js, config)
         except Exception as exc:  # a node restarting: log, and try again
             log.warning("users_sync_failed", error=repr(exc))
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), USERS_SYNC_S)
+        await next_round(stop, USERS_SYNC_S)
 
 
 def _render(config: HubConfig, args: argparse.Namespace) -> int:

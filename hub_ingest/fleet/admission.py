@@ -42,6 +42,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from hub_ingest.core.config import HubConfig
+from hub_ingest.core.rounds import next_round
 from hub_ingest.fleet.admission_figures import WRITE_S, Tally, write_figures
 from hub_ingest.fleet.auth import derived_keys, device_permissions, devices_account
 from hub_ingest.fleet.cutoff import Cutter, Links, load_links, save_links
@@ -171,7 +172,6 @@ class Admission:
         self._issuer = issuer(config)
         self._registry: Registry | None = None
         self._by_key: dict[str, Device] = {}
-        self._by_leaf: dict[str, Device] = {}  # by the names its island may link with
         self._read_at = -REFRESH_S  # when the last read of the registry began (monotonic)
         self._reading: asyncio.Task[None] | None = None
         self.tally = Tally(config.server.server_name)
@@ -201,9 +201,7 @@ class Admission:
     async def _read(self) -> None:
         if self._registry is None:
             self._registry = await Registry.open(self._js)
-        devices = await self._registry.list()
-        self._by_key = {d.nkey: d for d in devices}
-        self._by_leaf = {name: d for d in devices for name in d.leaf_names}
+        self._by_key = {d.nkey: d for d in await self._registry.list()}
         self.links.check(self._by_key)
 
     async def _fresh(self) -> None:
@@ -249,9 +247,7 @@ class Admission:
                     if repr(exc) != failing:
                         log.warning("admission_refresh_failed", error=repr(exc))
                     failing = repr(exc)
-                with contextlib.suppress(TimeoutError):  # not `wait_for`: see `watch._repeat`
-                    async with asyncio.timeout(REFRESH_S):
-                        await stop.wait()
+                await next_round(stop, REFRESH_S)
         finally:
             if self._reading is not None:
                 self._reading.cancel()
@@ -322,8 +318,9 @@ class Admission:
     async def _look_at_links(self, nodes: int) -> None:
         """Mark shared the devices linked on two nodes at once (`shared_keys.linked_twice`)."""
         look = look_of(await self._cutter.every_leafz(nodes))
+        by_leaf = {name: d for d in self._by_key.values() for name in d.leaf_names}
         for name in linked_twice(self._look, look):
-            if (device := self._by_leaf.get(name)) is not None:
+            if (device := by_leaf.get(name)) is not None:
                 on = sorted({server for server, _ in look[name]})
                 self._on_two_machines(device, f"linked on nodes {', '.join(on)}")
         self._look = look
@@ -332,7 +329,7 @@ class Admission:
         """Count it, and hold the device's links off: cut those up, refuse the next ones."""
         device_id = device.device_id
         links = self.tally.shared_link(device_id)
-        if links % SHARED_LOG_EVERY == 1:  # two machines on one node link about once a second
+        if links % SHARED_LOG_EVERY == 1:  # with no hold, seen again and again while both run
             log.error("device_key_on_two_machines", device_id=device_id, links=links, where=where)
         if self._shared.hold(device_id, time.monotonic()):
             self.links.cut_key(device.nkey, "key on two machines")

@@ -150,8 +150,7 @@ def figure_warnings(figures: list[AdmissionFigures], now: datetime) -> list[str]
             f"device {device}: its key links from two machines at once (seen {s.count} times "
             f"by node {f.node}, last at {s.last_at}): a copied disk? Both are held off "
             "(server.shared_key_hold) as their readings would mix; give the copy an "
-            'identity of its own (docs/operations.md, "A device key on two machines"). A '
-            "link that drops as soon as it is up looks the same."
+            'identity of its own (docs/operations.md, "A device key on two machines").'
             for device, s in _recent(f.shared, now)
         )
         recent = _recent(f.refusals, now)

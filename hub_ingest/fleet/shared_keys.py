@@ -68,7 +68,7 @@ class SharedKeys:
 
     def admitted(self, device_id: str, now: float) -> bool:
         """Note a link of `device_id` let in at `now` (monotonic seconds); whether the device
-        now looks shared."""
+        is now a suspect (`CONFIRM_S` of disconnect events decide)."""
         last, self._last[device_id] = self._last.get(device_id), now
         if last is None or now - last > QUICK_S:
             return False

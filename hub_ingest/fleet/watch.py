@@ -24,7 +24,6 @@ hub writes it into ``CMD_<id>``'s metadata, which the agent may read.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -41,6 +40,7 @@ from edge_agent.protocol.names import INCARNATION, OUTBOUND, command_stream
 from edge_agent.protocol.pack import PACK_SUBJECT
 from edge_agent.protocol.units import utc_now_iso
 from hub_ingest.core.config import HubConfig
+from hub_ingest.core.rounds import next_round
 from hub_ingest.fleet import rollout
 from hub_ingest.fleet.admission import Admission
 from hub_ingest.fleet.auth import ACCOUNT
@@ -260,11 +260,7 @@ async def _repeat(
             if failing is None or failing[0] != repr(exc):
                 log.warning(f"{name}_failed", error=repr(exc))
             failing = (repr(exc), failing[1] + 1 if failing else 1)
-        # Not `wait_for`: on Python 3.11 it can swallow a cancel that comes as it times out,
-        # and a watcher killed (cancelled) then runs on, its task group never ending.
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(interval):
-                await stop.wait()
+        await next_round(stop, interval)
 
 
 @dataclass
