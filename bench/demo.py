@@ -91,7 +91,12 @@ async def wait_for(
     start = time.monotonic()
     last_print = 0.0
     while True:
-        done, progress = await probe()
+        try:
+            done, progress = await probe()
+        except (nats.errors.Error, TimeoutError) as exc:
+            # Not yet: a link coming up, or a device making its command mirror again as it
+            # learns the hub's consumer on its first link (a moment with no mirror at all).
+            done, progress = False, f"not yet ({exc!r})"
         elapsed = time.monotonic() - start
         if done or elapsed > timeout or elapsed - last_print >= 3:
             say(f"  … {what}: {progress} ({elapsed:.0f}s)")
