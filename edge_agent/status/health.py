@@ -255,8 +255,9 @@ def _turned_away(reach: HubReach, since: str | None) -> str | None:
         return None
     return (
         f"leaf link down for {down_s:.0f}s while the hub answers at {reach.url} (server "
-        f"{reach.server or '?'}): the hub refuses this device (its key removed or not "
-        f"registered: `hub-ingest report` lists the refusals) or cannot take the link now"
+        f"{reach.server or '?'}): the hub refuses this device (its key removed, not "
+        f"registered, or in use on another machine too, as after a disk copied: "
+        f"`hub-ingest report` lists the refusals) or cannot take the link now"
     )
 
 
