@@ -120,6 +120,9 @@ class Outcome:
     produced: dict[str, int] = field(default_factory=dict)
     at_hub: dict[str, int] = field(default_factory=dict)
     duplicates: int = 0
+    # Each reading at the hub more than once: its device and number, and each copy's origin
+    # (the mirror's sequence, and whether it was refilled), so that a failure says which path.
+    twice: list[str] = field(default_factory=list)
     losses: int = 0
     out_of_order: int = 0
     commands_sent: int = 0
@@ -161,7 +164,7 @@ class Outcome:
             f"reports_with_a_node_down={self.reports} refilled={self.refilled} packs={self.packs} "
             f"command_mirror_rebuilds={self.mirror_rebuilds} "
             f"duplicate_results={self.extra_results} wall={self.wall_s:.0f}s "
-            f"(replay: CHAOS_SEED={self.seed})"
+            f"(replay: CHAOS_SEED={self.seed})" + (f" twice: {self.twice}" if self.twice else "")
         )
 
 
@@ -430,6 +433,10 @@ class Chaos:
                     got.append(n)
             out.at_hub[node.id] = len(got)
             out.duplicates += len(got) - len(set(got))
+            for n, copies in Counter(got).items():
+                if copies > 1:
+                    how = [o for o, m in zip(origins, got, strict=True) if m == n]
+                    out.twice.append(f"{node.id} reading {n} as (seq, refilled) {how}")
             out.losses += len(set(want) - set(got))
             # Reading n is device message n, whichever way it came; refilled readings come
             # after the rest, which keep the device's order.
