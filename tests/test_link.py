@@ -77,6 +77,24 @@ async def test_devices_never_receive_each_others_telemetry(hub: Hub) -> None:
     assert aggregate.state.messages == 2
 
 
+async def test_one_message_id_on_two_devices_loses_neither(hub: Hub) -> None:
+    """Apps set their own ``Nats-Msg-Id`` (the island drops an app's retries by it), and two
+    devices' apps may well pick the same: the hub's aggregates, which source every device,
+    keep both (a de-duplication window there would drop one device's message silently)."""
+    devices = [await hub.device("a"), await hub.device("b")]
+    same = {"Nats-Msg-Id": "reading-1"}
+    for device in devices:
+        await device.js.publish("tele.x", device.id.encode(), headers=same)
+        await device.js.publish(f"evt.{device.id}.alarm", b"hot", headers=same)
+        # Sources keep each device's order: once these are at the hub, so is the rest.
+        await device.js.publish("tele.last", b"")
+        await device.js.publish(f"evt.{device.id}.last", b"")
+    await eventually(lambda: _count(hub, "FLEET_TELEMETRY", "fleet.*.tele.last", 2), timeout=30)
+    await eventually(lambda: _count(hub, "FLEET_EVENTS", "fleet.*.evt.*.last", 2), timeout=30)
+    assert await _count(hub, "FLEET_TELEMETRY", "fleet.*.tele.x", 2)
+    assert await _count(hub, "FLEET_EVENTS", "fleet.*.evt.*.alarm", 2)
+
+
 async def _count(hub: Hub, stream: str, subject: str, expected: int) -> bool:
     info = await hub.js.stream_info(stream, subjects_filter=subject)
     return sum((info.state.subjects or {}).values()) == expected

@@ -71,15 +71,23 @@ async def _seen(hub: Hub, device_id: str, incarnation: str = "i1") -> None:
 
 
 async def test_provision_is_idempotent_and_listens_on_no_device_subject(hub: Hub) -> None:
-    """A second run changes nothing; aggregates have no subjects, only per-device sources."""
+    """A second run changes nothing; aggregates have no subjects, only per-device sources,
+    and no de-duplication window (an older hub's is taken away)."""
     await hub.register("a")
     await _seen(hub, "a")
     registry = await Registry.open(hub.js)
+    older = (await hub.js.stream_info("FLEET_EVENTS")).config
+    older.duplicate_window = 120.0
+    await hub.js.update_stream(older)
+    mended = await provision(hub.js, hub.config, await registry.list())
+    assert [(r.name, r.change, r.fields) for r in mended if r.change != "unchanged"] == [
+        ("FLEET_EVENTS", "updated", ("duplicate_window",))
+    ]
     again = await provision(hub.js, hub.config, await registry.list())
     assert {r.change for r in again} == {"unchanged"}
     for stream in ("FLEET_TELEMETRY", "FLEET_EVENTS"):
         info = await hub.js.stream_info(stream)
-        assert not info.config.subjects
+        assert not info.config.subjects and not info.config.duplicate_window
     (telemetry,) = await _sources(hub, "FLEET_TELEMETRY")
     # The aggregate sources the hub's mirror: device data crosses the link once.
     assert telemetry["name"] == "EDGE_TELEMETRY_a_i1"

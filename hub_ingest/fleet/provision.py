@@ -81,6 +81,7 @@ log = structlog.get_logger(__name__)
 _ROUNDS = 5  # of provisioning, while the registry changes under it
 _NONE_READ: Mapping[str, StreamConfig | None] = MappingProxyType({})
 COMMAND_DEDUP_WINDOW = 600.0  # seconds
+DEFAULT_DEDUP_WINDOW = 120.0  # nats-server's, for a stream with neither mirror nor sources
 
 
 def mirror_metadata(device_id: str, incarnation: Incarnation) -> dict[str, str]:
@@ -283,7 +284,11 @@ def aggregate_streams(
                     max_bytes=config.aggregates.max_bytes,
                     max_age=config.aggregates.max_age,
                     sources=sources or None,
-                    duplicate_window=120.0,
+                    # No window: nats-server de-duplicates what a stream sources by Nats-Msg-Id,
+                    # which apps set as they like, so a window here would keep one device's
+                    # message and drop another's with the same id. The server gives a stream
+                    # without sources its default window, and echoes it.
+                    duplicate_window=0 if sources else DEFAULT_DEDUP_WINDOW,
                     allow_direct=True,
                     metadata=MANAGED_BY,
                     num_replicas=config.replicas,
