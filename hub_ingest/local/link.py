@@ -73,6 +73,9 @@ class LinkProxy:
         return self._cut
 
     async def start(self, port: int = 0) -> LinkProxy:
+        """Listen on `port`. Beside servers whose ports are picked ahead (`free_port`), pick
+        this one the same way: a port the kernel hands out (0) may be one picked for a server
+        that has not bound it yet, which then never starts."""
         self._server = await asyncio.start_server(self._accept, "127.0.0.1", port)
         return self
 

@@ -425,18 +425,25 @@ class Chaos:
             mirror = await scan(self.hub.js, await self.hub.mirror(node.id), ">")
             origins: list[tuple[int, bool]] = []
             got: list[int] = []
+            # Each reading's message: its device (island) sequence and its aggregate sequence.
+            carried_by: list[tuple[int, int]] = []
             out.packs += sum(PACK_HEADER in (msg.headers or {}) for msg in aggregate)
             for msg in aggregate:
                 origin, refilled = _origin(msg)
                 for seq, n in _readings(msg, origin):
                     origins.append((seq, refilled))
                     got.append(n)
+                    carried_by.append((origin, msg.metadata.sequence.stream))
             out.at_hub[node.id] = len(got)
             out.duplicates += len(got) - len(set(got))
             for n, copies in Counter(got).items():
                 if copies > 1:
-                    how = [o for o, m in zip(origins, got, strict=True) if m == n]
-                    out.twice.append(f"{node.id} reading {n} as (seq, refilled) {how}")
+                    # Two island messages: packed twice; one: the aggregate took it twice.
+                    copies_of = zip(origins, carried_by, got, strict=True)
+                    how = [(*o, *c) for o, c, m in copies_of if m == n]
+                    out.twice.append(
+                        f"{node.id} reading {n} as (seq, refilled, island seq, aggregate seq) {how}"
+                    )
             out.losses += len(set(want) - set(got))
             # Reading n is device message n, whichever way it came; refilled readings come
             # after the rest, which keep the device's order.

@@ -168,7 +168,7 @@ class Hub(LocalHub):
         """
         # Enrolled up front: the hub admits no leaf connection without a registered key.
         await self.register(device_id, streams=not register_when_ready)
-        proxy = await LinkProxy(self.leaf_port).start()
+        proxy = await LinkProxy(self.leaf_port).start(free_port())
         state = self.root / device_id
         data: dict[str, Any] = {
             "device_id": device_id,
@@ -208,7 +208,7 @@ class Hub(LocalHub):
         started."""
         state = self.root / f"{device.id}-copy"
         shutil.copytree(device.config.agent.state_dir, state)
-        proxy = await LinkProxy(self.leaf_port).start()
+        proxy = await LinkProxy(self.leaf_port).start(free_port())
         c = device.config
         island = replace(
             c.island,

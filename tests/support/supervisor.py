@@ -71,8 +71,9 @@ class InstalledDevice:
             self.restarts += 1
             await asyncio.sleep(RESTART_PAUSE_S)
 
-    async def status(self) -> dict[str, Any] | None:
-        """``edge-agent status --json --require-link`` of the current release, if healthy."""
+    async def status(self) -> dict[str, Any]:
+        """``edge-agent status --json --require-link`` of the current release; raises unless
+        healthy with its link up."""
         proc = await asyncio.create_subprocess_exec(
             str(self.prefix / "current/bin/edge-agent"),
             "-c",
@@ -81,14 +82,19 @@ class InstalledDevice:
             "--json",
             "--require-link",
             stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE,
         )
-        out, _ = await proc.communicate()
-        return json.loads(out) if proc.returncode == 0 else None
+        out, err = await proc.communicate()
+        if proc.returncode != 0:
+            # What status said is the "last" a failed wait shows; the agent log's end too.
+            said = (out + err).decode(errors="replace")[-1500:]
+            log = self.log.read_text(errors="replace")[-1500:] if self.log.exists() else ""
+            raise RuntimeError(f"status exit {proc.returncode}: {said}\nagent.log: {log}")
+        result: dict[str, Any] = json.loads(out)
+        return result
 
     async def healthy(self) -> bool:
-        status = await self.status()
-        return status is not None and bool(status["healthy"])
+        return bool((await self.status())["healthy"])
 
     async def close(self) -> None:
         self._stopping = True
@@ -156,7 +162,7 @@ async def installed_device(
     """Enrol `device_id`, lay it out under ``root/<id>-root`` with release `VERSION` (a link
     to the venv `base`) current, and start its agent behind a link proxy of `shape`."""
     await hub.register(device_id)
-    proxy = await LinkProxy(hub.leaf_port, shape=shape).start()
+    proxy = await LinkProxy(hub.leaf_port, shape=shape).start(free_port())
     device = InstalledDevice(
         device_id, root / f"{device_id}-root", root / device_id / "agent.toml", proxy.port
     )
