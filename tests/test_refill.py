@@ -12,7 +12,7 @@ from nats.aio.msg import Msg
 from pyspark.sql import SparkSession
 
 from hub_ingest.archive.audit import Gap, audit_archive, missing_range
-from hub_ingest.fleet.gaps import REFILL_HEADER, MirrorGaps, healed, read_gaps
+from hub_ingest.fleet.gaps import REFILL_HEADER, MirrorGaps, healed, read_gaps, refill_of
 from hub_ingest.fleet.provision import provision
 from hub_ingest.fleet.registry import Registry
 from hub_ingest.report.collect import collect_report, hub_gaps
@@ -350,6 +350,17 @@ async def test_on_a_cluster_a_new_mirror_leader_above_its_copy_is_refilled_once(
     assert sorted(seq for seq, _, refilled in rows if refilled) == [6, 7, 8]
     refills = await scan(hub.js, "FLEET_REFILL", "refill.>")
     assert len(refills) == 3
+
+
+def test_a_refill_header_counts_only_on_rows_sourced_from_the_refill_stream() -> None:
+    """The refill's own rows are sourced from FLEET_REFILL; an app on a device can set the
+    header on its messages, which its mirror keeps: there it names nothing (else a device
+    could make the refill take a skipped reading of its own for one the aggregate holds)."""
+    said = "EDGE_TELEMETRY_a_i1 7 tele.x 2026-01-01T00:00:00Z"
+    assert refill_of({REFILL_HEADER: said, "Nats-Stream-Source": "FLEET_REFILL 3 x y z"}) == said
+    assert refill_of({REFILL_HEADER: said, "Nats-Stream-Source": "FLEET_REFILL:ab12 3"}) == said
+    assert refill_of({REFILL_HEADER: said, "Nats-Stream-Source": "EDGE_TELEMETRY_a_i1 9"}) is None
+    assert refill_of({REFILL_HEADER: said}) is None
 
 
 def test_skips_the_refill_has_looked_at_are_not_flagged() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from datetime import UTC, datetime
 
 import pyarrow as pa
 import pytest
@@ -13,6 +14,7 @@ from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows
 
 from hub_ingest.archive.audit import Gap, audit_archive
 from hub_ingest.core.errors import ConfigError, DataLossError
+from hub_ingest.fleet.gaps import REFILL_HEADER, REFILL_STREAM, refill_subject
 from hub_ingest.ingest.source import JetStreamReader, SeqRange, SourceOptions
 from tests.support.cluster import Hub
 from tests.support.ingest import aggregate_has, ingest_config, run_once, telemetry
@@ -211,6 +213,60 @@ async def test_rows_are_attributed_from_subject_and_stored_headers(hub: Hub) -> 
         "headers": [("X-Name", "café")],
         "payload": b"4",
     }
+
+
+async def test_only_rows_refilled_by_the_hub_count_as_refilled(hub: Hub) -> None:
+    """``Edge-Refill-Of`` names where a refilled row came from, but an app on a device can set
+    it on its own messages too (the island and the hub's mirror keep it): a row counts as
+    refilled only when its aggregate sourced it from ``FLEET_REFILL``. A mirror deleted since
+    stops no batch."""
+    forged = {REFILL_HEADER: "EDGE_TELEMETRY_d9_i1 999 tele.fake 2020-01-01T00:00:00Z"}
+    await hub.js.add_stream(
+        StreamConfig(
+            name="ORIGIN", subjects=["origin.>"], allow_direct=True, metadata={"incarnation": "i7"}
+        )
+    )
+    await hub.js.publish("origin.tele", b"forged", headers=forged)
+    # Refilled from ORIGIN, which plays the hub's mirror of d1's incarnation i7.
+    real = {REFILL_HEADER: "ORIGIN 5 tele.x 2026-01-01T00:00:00Z"}
+    await hub.js.publish(
+        refill_subject("PARSED", "ORIGIN", 5, "d1", "tele.x"), b"real", headers=real
+    )
+    from_origin = SubjectTransform(src="origin.>", dest="fleet.d1.origin.>")
+    from_refill = SubjectTransform(src="refill.PARSED.*.*.>", dest="fleet.>")
+    sources = [
+        StreamSource(name="ORIGIN", subject_transforms=[from_origin]),
+        StreamSource(name=REFILL_STREAM, subject_transforms=[from_refill]),
+    ]
+    await hub.js.add_stream(StreamConfig(name="PARSED", sources=sources, allow_direct=True))
+    await eventually(lambda: aggregate_has(hub, "PARSED", 2), timeout=RESUME_TIMEOUT)
+
+    rows = {r["payload"]: r for r in (await _read(hub, SeqRange("PARSED", 1, 2))).to_pylist()}
+
+    origin_time = (await hub.js.get_msg("ORIGIN", 1)).time
+    forged_row = rows[b"forged"]
+    assert (forged_row["subject"], forged_row["device_seq"], forged_row["incarnation"]) == (
+        "origin.tele",
+        1,
+        "i7",
+    )
+    assert forged_row["device_time"] == origin_time
+    real_row = rows[b"real"]
+    assert (real_row["subject"], real_row["device_seq"], real_row["incarnation"]) == (
+        "tele.x",
+        5,
+        "i7",
+    )
+    assert real_row["device_time"] == datetime(2026, 1, 1, tzinfo=UTC)
+
+    # The mirror deleted by hand since (the product keeps them): its rows are read still,
+    # without the incarnation only it knew.
+    await hub.js.delete_stream("ORIGIN")
+    again = (await _read(hub, SeqRange("PARSED", 1, 2))).to_pylist()
+    assert sorted((r["payload"], r["device_seq"], r["incarnation"]) for r in again) == [
+        (b"forged", 1, None),
+        (b"real", 5, None),
+    ]
 
 
 async def test_large_messages_are_read_in_pulls_bounded_in_bytes(hub: Hub) -> None:

@@ -12,7 +12,7 @@ import structlog
 
 from edge_agent.protocol.pack import PACK_HEADER, PackError, decode
 from hub_ingest.core.errors import IngestError
-from hub_ingest.fleet.gaps import REFILL_HEADER
+from hub_ingest.fleet.gaps import REFILL_HEADER, REFILL_STREAM
 
 log = structlog.get_logger(__name__)
 
@@ -97,13 +97,14 @@ class Origin:
 
 
 def origin_of(headers: pa.MapArray) -> Origin:
-    refill = header_values(headers, REFILL_HEADER)
+    source = header_values(headers, "Nats-Stream-Source")
+    # Only a row sourced from FLEET_REFILL is refilled: an app may set the header itself.
+    from_refill = pc.fill_null(pc.match_substring_regex(source, f"^{REFILL_STREAM}[: ]"), False)
+    refill = pc.if_else(from_refill, header_values(headers, REFILL_HEADER), _NO_TEXT)
     refilled = pc.is_valid(refill)
     # "<stream>[:<hash>] <seq> <filter> <transform> <subject> …", or "<mirror> <seq> <subject>
     # <time>" for a refilled row.
-    fields = pc.split_pattern(
-        pc.coalesce(refill, header_values(headers, "Nats-Stream-Source")), " "
-    )
+    fields = pc.split_pattern(pc.coalesce(refill, source), " ")
     stream = pc.list_element(pc.split_pattern(pc.list_element(fields, 0), ":", max_splits=1), 0)
     subject = pc.if_else(refilled, _element_or_null(fields, 2), _element_or_null(fields, 4))
     time = pc.if_else(refilled, _element_or_null(fields, 3), _NO_TEXT)

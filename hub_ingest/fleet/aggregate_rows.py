@@ -13,7 +13,7 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 
 from hub_ingest.core.replies import direct_get
-from hub_ingest.fleet.gaps import REFILL_HEADER, Target, to_ranges
+from hub_ingest.fleet.gaps import Target, refill_of, to_ranges
 
 _BATCH = 256  # rows per direct get from the hub's own aggregate
 
@@ -159,7 +159,7 @@ async def _direct(
 def _source(msg: _Stored, *, refilled: bool = True) -> tuple[str, int] | None:
     """(mirror, device seq) a row of the aggregate came from; refilled rows say so (without
     `refilled`, they count as from nowhere)."""
-    raw = (refilled and msg.headers.get(REFILL_HEADER)) or msg.headers.get("Nats-Stream-Source")
+    raw = (refilled and refill_of(msg.headers)) or msg.headers.get("Nats-Stream-Source")
     if not raw:
         return None
     fields = raw.split()

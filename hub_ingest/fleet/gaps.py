@@ -64,6 +64,14 @@ def refill_source(aggregate_stream: str) -> StreamSource:
     )
 
 
+def refill_of(headers: Mapping[str, str]) -> str | None:
+    """``Edge-Refill-Of`` of a row its aggregate sourced from ``FLEET_REFILL``; None for any
+    other row, whose header an app on its device set (the island and the mirror keep it)."""
+    # ``Nats-Stream-Source``: ``<stream>[:<hash>] <seq> …``
+    stream = headers.get("Nats-Stream-Source", "").split(" ", 1)[0].split(":", 1)[0]
+    return headers.get(REFILL_HEADER) if stream == REFILL_STREAM else None
+
+
 def refill_subject(aggregate_stream: str, mirror: str, seq: int, device: str, subject: str) -> str:
     return f"refill.{aggregate_stream}.{mirror}.{seq}.{device}.{subject}"
 

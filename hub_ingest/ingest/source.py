@@ -73,6 +73,8 @@ from hub_ingest.ingest.wire import FrameClient, connect, consume_range, get_head
 
 log = structlog.get_logger(__name__)
 
+_STREAM_NOT_FOUND = 10059  # JetStream's error code
+
 FORMAT = "jetstream"
 SCHEMA = (
     "device_id STRING, incarnation STRING, subject STRING, device_seq BIGINT, "
@@ -359,12 +361,18 @@ async def _device_times(nc: FrameClient, api: str, origin: Origin) -> pa.Array:
 
 async def _incarnations(nc: FrameClient, api: str, origin: Origin) -> pa.Array:
     """Each row's device incarnation, from the metadata of the hub mirror it came from (one
-    mirror per incarnation, see `hub_ingest.fleet.provision`); null for a mirror without one."""
+    mirror per incarnation, see `hub_ingest.fleet.provision`); null for a mirror without one,
+    or one deleted since (by hand: the product keeps them), whose rows are archived still."""
     names = pc.unique(origin.mirror.drop_null()).to_pylist()
-    ids = []
+    ids: list[str | None] = []
     for mirror in names:
         reply = await nc.request(f"{api}.STREAM.INFO.{mirror}", b"", timeout=10)
         info = json.loads(reply.data)
+        if (info.get("error") or {}).get("err_code") == _STREAM_NOT_FOUND:
+            rows = pc.sum(pc.fill_null(pc.equal(origin.mirror, mirror), False)).as_py()
+            log.warning("origin_mirror_missing", mirror=mirror, rows=rows)
+            ids.append(None)
+            continue
         if "error" in info:
             raise IngestError(f"stream info {mirror}: {info['error'].get('description')}")
         ids.append(((info.get("config") or {}).get("metadata") or {}).get("incarnation"))
