@@ -60,6 +60,12 @@ def test_minimal_config_gets_documented_defaults(tmp_path: Path) -> None:
         (MINIMAL + "[streams.events]\nmax_msgs = 3\n", "streams.events.max_msgs", "unknown key"),
         (MINIMAL.replace("[hub]", "[hub]\nreconnect = 'soon'"), "hub.reconnect", "soon"),
         (MINIMAL.replace("[island]", '[island]\nsync = "never"'), "island.sync", "always"),
+        # A message larger than the hub takes would stall the uplink behind it for good.
+        (
+            MINIMAL.replace("[island]", '[island]\nmax_payload = "4MiB"'),
+            "island.max_payload",
+            "stall the device's uplink",
+        ),
     ],
 )
 def test_bad_values_name_the_key(tmp_path: Path, text: str, key: str, fragment: str) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 from edge_agent.core.errors import ConfigError
-from edge_agent.protocol.names import island_name, js_api
+from edge_agent.protocol.names import LINK_MAX_PAYLOAD, island_name, js_api
 from edge_agent.protocol.release import decode_public_key
 from edge_agent.protocol.tomlconf import (
     BY_RTT,
@@ -250,6 +250,17 @@ def _positive_size(value: object) -> int:
     return size
 
 
+def _link_payload(value: object) -> int:
+    size = _positive_size(value)
+    if size > LINK_MAX_PAYLOAD:
+        raise ValueError(
+            f"expected at most {LINK_MAX_PAYLOAD} bytes (1MiB), got {value!r}: the hub takes no "
+            f"larger message across the link, and one stored on the island would stall the "
+            f"device's uplink behind it for good"
+        )
+    return size
+
+
 # Each stream's share of island.max_file_store (per cent) when its max_bytes is not given.
 _BUDGET_SHARES = {"telemetry": 70, "events": 15, "commands": 5}
 
@@ -302,7 +313,7 @@ def parse_config(data: dict[str, Any], source: Path | None = None) -> Config:
         max_file_store=isl.get("max_file_store", parse_size),
         max_memory_store=isl.get("max_memory_store", parse_size, 64 * 1024**2),
         sync=isl.get("sync", sync_policy, None),
-        max_payload=isl.get("max_payload", _positive_size, 1024**2),
+        max_payload=isl.get("max_payload", _link_payload, LINK_MAX_PAYLOAD),
         client_listen=isl.get("client_listen", _loopback_listen, Listen("127.0.0.1", 4222)),
         monitor_listen=isl.get("monitor_listen", _loopback_listen, Listen("127.0.0.1", 8222)),
         supervise=isl.get("supervise", _one_of(Supervise), "external"),

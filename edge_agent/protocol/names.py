@@ -18,6 +18,10 @@ OUTBOUND = (TELEMETRY, EVENTS)  # the island streams the hub mirrors
 COMMAND_MIRROR = "COMMANDS"  # the island's mirror of its CMD_<id>
 HUB_COMMANDS = "COMMANDS"  # the hub stream every command is published to (cmd.>)
 INCARNATION = "incarnation"  # stream metadata key: the life of a device stream
+# The largest message (headers and payload) the hub takes across a leaf link, nats-server's
+# default. An island that took larger would store a message its link can never carry: the hub
+# closes the link on it ("Maximum Payload Violation"), and the uplink stalls behind it.
+LINK_MAX_PAYLOAD = 1024**2
 # The durable consumer on the hub's CMD_<id> that the island's COMMANDS mirror binds to: this
 # name for devices enrolled before 2026-11-29 (and an island that has not asked yet), else
 # the one `CMD_<id>`'s metadata names under `ISLAND_CONSUMER_KEY` (its shard's,

@@ -10,6 +10,7 @@ import json
 import os
 from pathlib import Path
 
+from edge_agent.protocol.names import LINK_MAX_PAYLOAD
 from edge_agent.protocol.tomlconf import render_sync
 from hub_ingest.core.config import ClusterConfig, HubConfig, LeafTlsConfig, NodeConfig
 from hub_ingest.fleet.admission import issuer_key
@@ -34,6 +35,7 @@ def render_server_config(config: HubConfig, config_file: Path | None = None) -> 
 server_name: {json.dumps(srv.server_name)}
 listen: {json.dumps(srv.listen)}
 http: {json.dumps(srv.monitor_listen)}
+max_payload: {LINK_MAX_PAYLOAD}
 pid_file: {json.dumps(str(srv.pid_file))}
 include {json.dumps(include)}
 {_system_account(config)}{_callout_block(config)}
