@@ -12,7 +12,7 @@ import structlog
 
 from edge_agent.protocol.pack import PACK_HEADER, PackError, decode
 from hub_ingest.core.errors import IngestError
-from hub_ingest.fleet.gaps import REFILL_HEADER, REFILL_STREAM
+from hub_ingest.fleet.gaps import FROM_REFILL, REFILL_HEADER
 
 log = structlog.get_logger(__name__)
 
@@ -99,7 +99,7 @@ class Origin:
 def origin_of(headers: pa.MapArray) -> Origin:
     source = header_values(headers, "Nats-Stream-Source")
     # Only a row sourced from FLEET_REFILL is refilled: an app may set the header itself.
-    from_refill = pc.fill_null(pc.match_substring_regex(source, f"^{REFILL_STREAM}[: ]"), False)
+    from_refill = pc.fill_null(pc.match_substring_regex(source, FROM_REFILL), False)
     refill = pc.if_else(from_refill, header_values(headers, REFILL_HEADER), _NO_TEXT)
     refilled = pc.is_valid(refill)
     # "<stream>[:<hash>] <seq> <filter> <transform> <subject> …", or "<mirror> <seq> <subject>

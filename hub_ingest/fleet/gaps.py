@@ -12,6 +12,7 @@ provision, the ingest's columns, `report` and `audit`.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 
@@ -33,6 +34,8 @@ from hub_ingest.fleet.streams import mirror_name
 
 REFILL_STREAM = "FLEET_REFILL"
 REFILL_HEADER = "Edge-Refill-Of"  # <mirror> <device seq> <subject> <device store time>
+# A row's ``Nats-Stream-Source`` (``<stream>[:<hash>] <seq> …``) when it came from FLEET_REFILL.
+FROM_REFILL = f"^{REFILL_STREAM}[: ]"
 MSG_ID_HEADER = "Edge-Refill-Msg-Id"
 BUCKET = GAPS
 LOST_REASONS = ("evicted", "reimaged", "deleted_on_device")
@@ -67,9 +70,8 @@ def refill_source(aggregate_stream: str) -> StreamSource:
 def refill_of(headers: Mapping[str, str]) -> str | None:
     """``Edge-Refill-Of`` of a row its aggregate sourced from ``FLEET_REFILL``; None for any
     other row, whose header an app on its device set (the island and the mirror keep it)."""
-    # ``Nats-Stream-Source``: ``<stream>[:<hash>] <seq> …``
-    stream = headers.get("Nats-Stream-Source", "").split(" ", 1)[0].split(":", 1)[0]
-    return headers.get(REFILL_HEADER) if stream == REFILL_STREAM else None
+    refilled = re.match(FROM_REFILL, headers.get("Nats-Stream-Source", ""))
+    return headers.get(REFILL_HEADER) if refilled else None
 
 
 def refill_subject(aggregate_stream: str, mirror: str, seq: int, device: str, subject: str) -> str:
