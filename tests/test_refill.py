@@ -11,6 +11,8 @@ import json
 from nats.aio.msg import Msg
 from pyspark.sql import SparkSession
 
+from edge_agent.island.streams import bound_consumer
+from edge_agent.protocol.names import ISLAND_CONSUMER
 from hub_ingest.archive.audit import Gap, audit_archive, missing_range
 from hub_ingest.fleet.gaps import REFILL_HEADER, MirrorGaps, healed, read_gaps, refill_of
 from hub_ingest.fleet.provision import provision
@@ -30,7 +32,7 @@ async def _skip(hub: Hub, a: Device, *, floor: int = 9, before_restore: bool = F
     while the link was cut. With `before_restore` the link stays cut; the mirror's name."""
     for i in range(5):
         await a.js.publish("tele.temp", str(i).encode())
-    mirror = await eventually(lambda: hub.mirror("a"), timeout=30, what="a's mirror")
+    mirror = await eventually(lambda: hub.mirror(a.id), timeout=30, what="the mirror")
     await eventually(lambda: _last_seq(hub, mirror, 5), timeout=RESUME_TIMEOUT, what="5 at hub")
     a.proxy.cut()
     await a.wait_link(up=False)
@@ -55,6 +57,10 @@ async def _aggregate_rows(hub: Hub) -> list[tuple[int, bytes, bool]]:
         origin = headers.get(REFILL_HEADER) or headers["Nats-Stream-Source"]
         rows.append((int(origin.split()[1]), msg.data, REFILL_HEADER in headers))
     return rows
+
+
+async def _bound_as_named(device: Device) -> bool:
+    return await bound_consumer(device.js) not in (None, ISLAND_CONSUMER)
 
 
 async def _record(hub: Hub, mirror: str) -> MirrorGaps | None:
@@ -176,6 +182,33 @@ async def test_a_skip_at_the_mirrors_tail_is_refilled_before_the_device_publishe
     record = await eventually(checked, timeout=30, what="the skip seen by the mirror")
     assert (record.refilled, record.lost, record.pending) == (5, {}, [])
     assert sorted(seq for seq, _, _ in await _aggregate_rows(hub)) == list(range(1, 12))
+
+
+async def test_an_island_whose_reads_fail_holds_up_no_other_device(hub: Hub) -> None:
+    """b's island answers its stream's info but serves no direct gets (as a link dropping in
+    the middle of each read): its skipped 6..8 wait as pending, and a's tail skip is refilled
+    all the same (one island's failing read used to end the whole round, every round)."""
+    b = await hub.device("b", sections=UNPACKED)
+    # Its command mirror made again bound to the consumer the hub names (at its first link)
+    # makes every stream again too, which would undo the change below.
+    await eventually(lambda: _bound_as_named(b), timeout=RESUME_TIMEOUT, what="b's mirror bound")
+    b_mirror = await _skip(hub, b, before_restore=True)
+    telemetry = (await b.js.stream_info("TELEMETRY")).config
+    telemetry.allow_direct = False
+    await b.js.update_stream(telemetry)
+    b.proxy.restore()
+    await eventually(lambda: _last_seq(hub, b_mirror, 10), timeout=RESUME_TIMEOUT, what="b's 10")
+
+    a = await hub.device("a", heartbeat_interval="1s", sections=UNPACKED)
+    await _skip(hub, a, floor=11, before_restore=True)
+    a.proxy.restore()
+
+    async def a_refilled() -> bool:
+        return len(await _aggregate_rows(hub)) >= 10
+
+    await eventually(a_refilled, timeout=RESUME_TIMEOUT, what="a's tail refilled")
+    record = await _record(hub, b_mirror)
+    assert record is not None and (record.refilled, record.pending) == (0, [(6, 8)]), record
 
 
 async def test_what_the_island_no_longer_holds_is_lost_with_its_reason(hub: Hub) -> None:

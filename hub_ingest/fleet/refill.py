@@ -73,11 +73,10 @@ from hub_ingest.fleet.gaps import (
 )
 from hub_ingest.fleet.requests import (
     Listed,
-    ask,
     ask_json,
     deleted_seqs,
     island_stream,
-    seq_of,
+    read_range,
     stream_states,
 )
 
@@ -280,10 +279,18 @@ class Refiller:
             if island is None:
                 pending = todo
             else:
-                refilled, gone = await self._refill(target, todo, island)
-                done |= refilled
-                for reason, seqs in gone.items():
-                    lost.setdefault(reason, set()).update(seqs)
+                try:
+                    refilled, gone = await self._refill(target, todo, island)
+                except (nats.errors.Error, TimeoutError, ValueError, KeyError) as exc:
+                    # Its stream's info came, a read did not (the link dropped, a status, an
+                    # answer without a direct get's headers): pending, tried again like an
+                    # island that did not answer, and no other mirror's heal waits for it.
+                    log.warning("island_read_failed", mirror=target.mirror, error=repr(exc))
+                    pending = todo
+                else:
+                    done |= refilled
+                    for reason, seqs in gone.items():
+                        lost.setdefault(reason, set()).update(seqs)
         gaps = MirrorGaps(
             mirror=target.mirror,
             device_id=target.device.device_id,
@@ -413,24 +420,9 @@ class Refiller:
         """The island's messages `lo`..`hi` (those it still has), a bounded batch at a time;
         or those of another stream's direct get subject, `source`."""
         source = source or f"{target.device.api_prefix}.DIRECT.GET.{target.incarnation.stream}"
-        got: list[Msg] = []
-        seq = lo
-        while seq <= hi:
-            msgs = await ask(
-                self.nc,
-                target.device,
-                source,
-                {"seq": seq, "batch": hi - seq + 1, "max_bytes": BATCH_BYTES},
-                timeout=READ_TIMEOUT,
-                many=True,
-            )
-            # A batch holds the next messages the island has, which may lie past `hi`.
-            within = [m for m in msgs if seq_of(m) <= hi]
-            got += within
-            if len(within) < len(msgs) or not within:
-                break
-            seq = seq_of(within[-1]) + 1
-        return got
+        return await read_range(
+            self.nc, target.device, source, lo, hi, timeout=READ_TIMEOUT, max_bytes=BATCH_BYTES
+        )
 
     async def _publish(self, target: Target, msg: Msg) -> int:
         headers = dict(msg.headers or {})

@@ -38,7 +38,7 @@ async def ask(
     many: bool = False,
 ) -> list[Msg]:
     """A request to a device's island, answered on its own reply prefix; with `many`, every
-    message up to the batch's end-of-batch status."""
+    message up to the batch's end-of-batch status, and no more than the `batch` asked for."""
     inbox = f"{hub_reply_prefix(device.device_id)}.{secrets.token_hex(8)}"
     sub = await nc.subscribe(inbox)
     got: list[Msg] = []
@@ -52,11 +52,31 @@ async def ask(
                     return got  # no (more) messages; end of batch
                 raise ValueError(f"{subject}: status {status}")
             got.append(msg)
-            if not many:
+            if not many or len(got) >= body.get("batch", float("inf")):
                 return got
     finally:
         with contextlib.suppress(nats.errors.Error):
             await sub.unsubscribe()
+
+
+async def read_range(
+    nc: Client, device: Device, subject: str, lo: int, hi: int, *, timeout: float, max_bytes: int
+) -> list[Msg]:
+    """Messages `lo`..`hi` (those there are) of the direct get `subject` across `device`'s
+    link, a batch of at most `max_bytes` at a time."""
+    got: list[Msg] = []
+    seq = lo
+    while seq <= hi:
+        body = {"seq": seq, "batch": hi - seq + 1, "max_bytes": max_bytes}
+        msgs = await ask(nc, device, subject, body, timeout=timeout, many=True)
+        # A batch holds the next messages there are, which may lie past `hi`; one before
+        # `seq` is not what was asked (and would have this loop ask for ever).
+        within = [m for m in msgs if seq <= seq_of(m) <= hi]
+        got += within
+        if len(within) < len(msgs) or not within:
+            break
+        seq = seq_of(within[-1]) + 1
+    return got
 
 
 async def ask_json(
