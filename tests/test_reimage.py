@@ -20,7 +20,7 @@ import pytest
 from pyspark.sql import SparkSession
 
 from edge_agent.commands.executor import CONSUMER
-from edge_agent.protocol.names import command_stream, island_consumer
+from edge_agent.protocol.names import INCARNATION, command_stream, island_consumer
 from edge_agent.protocol.pack import PACK_SUBJECT
 from hub_ingest.archive.audit import audit_archive
 from hub_ingest.commands.send import command_status
@@ -172,6 +172,32 @@ async def test_reimage_while_the_link_is_down(hub: Hub) -> None:
     assert values == [*range(30)]
     assert len(await _incarnations(hub, "a", 2)) == 2
     assert await _subjects(hub) == {f"fleet.a.{PACK_SUBJECT}"}, "in packs only"
+
+
+async def test_an_island_naming_an_unusable_incarnation_holds_up_no_other_device(
+    hub: Hub,
+) -> None:
+    """An island names its streams' incarnation itself. One that cannot be part of a hub
+    stream's name ("x.y", as a hostile or damaged island might) is refused and its data kept
+    on the island; a device that links after it is mirrored as ever (the provisioning pass
+    that would have made the bad mirror failed for the whole fleet, round after round)."""
+    b = await hub.device("b")
+    await _publish(b, range(2))
+    await eventually(lambda: _readings(hub, "b", 2), timeout=TIMEOUT, what="b's 2 readings")
+    for name in ("TELEMETRY", "EVENTS"):
+        config = (await b.js.stream_info(name)).config
+        config.metadata = {**(config.metadata or {}), INCARNATION: "x.y"}
+        await b.js.update_stream(config)
+    b.proxy.cut()  # its next link is a new one, which the watcher asks about at once
+    await b.wait_link(up=False)
+    b.proxy.restore()
+    await b.wait_link()
+
+    c = await hub.device("c")
+    await _publish(c, range(3))
+    await eventually(lambda: _readings(hub, "c", 3), timeout=TIMEOUT, what="c's 3 readings")
+    b_record = await (await Registry.open(hub.js)).get("b")
+    assert "x.y" not in {i.id for i in b_record.incarnations}
 
 
 async def test_two_reimages_in_a_row(hub: Hub) -> None:

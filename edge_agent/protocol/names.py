@@ -12,12 +12,17 @@ travel on a subject prefix that only that device may use.
 
 from __future__ import annotations
 
+import re
+
 TELEMETRY = "TELEMETRY"  # island stream of tele.>
 EVENTS = "EVENTS"  # island stream of evt.>: results, heartbeats, events
 OUTBOUND = (TELEMETRY, EVENTS)  # the island streams the hub mirrors
 COMMAND_MIRROR = "COMMANDS"  # the island's mirror of its CMD_<id>
 HUB_COMMANDS = "COMMANDS"  # the hub stream every command is published to (cmd.>)
 INCARNATION = "incarnation"  # stream metadata key: the life of a device stream
+# What an incarnation id may be (the agent makes 12 hex digits): it names hub streams
+# (``EDGE_TELEMETRY_<id>_<incarnation>``), so the hub takes no other from an island.
+INCARNATION_ID = re.compile(r"[A-Za-z0-9-]{1,32}")
 # The largest message (headers and payload) the hub takes across a leaf link, nats-server's
 # default. An island that took larger would store a message its link can never carry: the hub
 # closes the link on it ("Maximum Payload Violation"), and the uplink stalls behind it.

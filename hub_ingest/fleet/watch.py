@@ -36,7 +36,7 @@ from nats.js import JetStreamContext
 
 from edge_agent.protocol.errors import MonitorUnavailable
 from edge_agent.protocol.monitor import Monitor
-from edge_agent.protocol.names import INCARNATION, OUTBOUND, command_stream
+from edge_agent.protocol.names import INCARNATION, INCARNATION_ID, OUTBOUND, command_stream
 from edge_agent.protocol.pack import PACK_SUBJECT
 from edge_agent.protocol.units import utc_now_iso
 from hub_ingest.core.config import HubConfig
@@ -55,6 +55,8 @@ ASK_TIMEOUT = 2.0  # one STREAM.INFO over the leaf link
 # How often a running rollout reads its open batches' reports: one request per device.
 ROLLOUT_S = 2.0
 RECHECK_S = 30.0  # a linked device is asked again this often, in case a reconnect was missed
+# (device, stream) → the unusable incarnation id its island last named, logged once
+_REFUSED: dict[tuple[str, str], str] = {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,10 +81,17 @@ async def device_incarnations(nc: Client, device: Device) -> dict[str, Seen]:
             )
             continue
         config = info.get("config") or {}
-        metadata = config.get("metadata") or {}
-        if isinstance(metadata.get(INCARNATION), str):
+        incarnation = (config.get("metadata") or {}).get(INCARNATION)
+        if isinstance(incarnation, str) and INCARNATION_ID.fullmatch(incarnation):
             packed = config.get("subjects") == [PACK_SUBJECT]
-            found[stream] = Seen(metadata[INCARNATION], packed)
+            found[stream] = Seen(incarnation, packed)
+        elif incarnation is not None and _REFUSED.get((device.device_id, stream)) != incarnation:
+            # Not a name part of a hub stream (a hostile or damaged island): its mirror would
+            # fail every provisioning pass, for the whole fleet. Its data stays on the island.
+            _REFUSED[(device.device_id, stream)] = incarnation
+            log.error(
+                "incarnation_refused", device_id=device.device_id, stream=stream, id=incarnation
+            )
     return found
 
 
