@@ -17,7 +17,8 @@ from hub_ingest.archive.audit import Gap, audit_archive, missing_range
 from hub_ingest.fleet.gaps import REFILL_HEADER, MirrorGaps, healed, read_gaps, refill_of
 from hub_ingest.fleet.provision import provision
 from hub_ingest.fleet.registry import Registry
-from hub_ingest.report.collect import collect_report, hub_gaps
+from hub_ingest.report.collect import collect_report
+from hub_ingest.report.flags import hub_gaps
 from hub_ingest.report.model import SourceState
 from tests.support.cluster import UNPACKED, Device, Hub, reset_uplink
 from tests.support.hubcluster import ClusterHub

@@ -13,6 +13,7 @@ import json
 import signal
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ import pytest
 from pyspark.sql import SparkSession
 
 from edge_agent.commands.executor import CONSUMER
+from edge_agent.island.streams import bound_consumer
 from edge_agent.protocol.names import INCARNATION, command_stream, island_consumer
 from edge_agent.protocol.pack import PACK_SUBJECT
 from hub_ingest.archive.audit import audit_archive
@@ -32,6 +34,7 @@ from tests.support.cluster import (
     Device,
     Hub,
     hub_readings,
+    run_cli,
     start_hub,
     stream_has,
     stream_messages,
@@ -178,12 +181,20 @@ async def test_an_island_naming_an_unusable_incarnation_holds_up_no_other_device
     hub: Hub,
 ) -> None:
     """An island names its streams' incarnation itself. One that cannot be part of a hub
-    stream's name ("x.y", as a hostile or damaged island might) is refused and its data kept
-    on the island; a device that links after it is mirrored as ever (the provisioning pass
-    that would have made the bad mirror failed for the whole fleet, round after round)."""
+    stream's name ("x.y", as a hostile or damaged island might) is refused and flagged; a
+    device that links after it is mirrored as ever (the provisioning pass that would have
+    made the bad mirror failed for the whole fleet, round after round). The agent, started
+    again, takes back the id of its hub consumer (it crashed on the id before), and the flag
+    clears with nothing doubled."""
     b = await hub.device("b")
     await _publish(b, range(2))
     await eventually(lambda: _readings(hub, "b", 2), timeout=TIMEOUT, what="b's 2 readings")
+
+    async def rebound() -> bool:  # the agent's last change to its streams until it restarts
+        return await bound_consumer(b.js) == island_consumer(0)
+
+    await eventually(rebound, timeout=TIMEOUT, what="b's command mirror on its shard's consumer")
+    before = {s: (await b.js.stream_info(s)).config.metadata for s in ("TELEMETRY", "EVENTS")}
     for name in ("TELEMETRY", "EVENTS"):
         config = (await b.js.stream_info(name)).config
         config.metadata = {**(config.metadata or {}), INCARNATION: "x.y"}
@@ -198,6 +209,74 @@ async def test_an_island_naming_an_unusable_incarnation_holds_up_no_other_device
     await eventually(lambda: _readings(hub, "c", 3), timeout=TIMEOUT, what="c's 3 readings")
     b_record = await (await Registry.open(hub.js)).get("b")
     assert "x.y" not in {i.id for i in b_record.incarnations}
+    flags, warnings = await _refusals(hub, "b")
+    assert flags == ["incarnation_refused"]
+    assert len(warnings) == 2 and all("'x.y'" in w and "letters" in w for w in warnings)
+
+    await b.stop()
+    await b.start()
+    after = {s: (await b.js.stream_info(s)).config.metadata for s in ("TELEMETRY", "EVENTS")}
+    assert after == before
+    await _publish(b, range(2, 4))
+    await eventually(lambda: _readings(hub, "b", 4), timeout=TIMEOUT, what="b's 4 readings")
+
+    async def cleared() -> bool:
+        return await _refusals(hub, "b") == ([], [])
+
+    await eventually(cleared, timeout=TIMEOUT, what="b's flag cleared")
+    bodies = await hub_readings(hub.js, "b", "tele.temp")
+    assert sorted(json.loads(d)["t"] for d in bodies) == [0, 1, 2, 3]
+
+
+async def _refusals(hub: Hub, device_id: str) -> tuple[list[str], list[str]]:
+    """The device's flags of refusal in the report, and its warnings of them."""
+    devices = await (await Registry.open(hub.js)).list()
+    report = await collect_report(hub.nc, hub.config, devices, silent_after=3600)
+    (line,) = [d for d in report.devices if d.device_id == device_id]
+    refused = [f for f in line.flags if f == "incarnation_refused"]
+    warnings = [w for w in report.warnings if w.startswith(f"device {device_id}: the hub does not")]
+    return refused, warnings
+
+
+async def test_a_device_reimaged_past_the_limit_is_flagged_and_taken_once_it_is_raised(
+    hub: Hub, tmp_path: Path
+) -> None:
+    """Each incarnation costs the hub a mirror a stream for good: a device whose store is wiped
+    at every boot (or a hostile one) would grow the hub's streams without end. Past
+    ``server.max_incarnations`` a new one is refused, the report flags the device and says
+    why, and its readings wait on the island; raised, the hub takes it and they arrive."""
+    hub.config = replace(hub.config, server=replace(hub.config.server, max_incarnations=1))
+    await hub.stop_watching()
+    hub.start_watch()
+    a = await hub.device("a")
+    await _publish(a, range(2))
+    await eventually(lambda: _readings(hub, "a", 2), timeout=TIMEOUT, what="a's 2 readings")
+    streams_before = len(await hub.js.streams_info())
+    await a.reimage()
+    await _publish(a, range(2, 5))
+
+    async def refused() -> bool:
+        return (await _refusals(hub, "a"))[0] == ["incarnation_refused"]
+
+    await eventually(refused, timeout=TIMEOUT, what="a flagged")
+    _, warnings = await _refusals(hub, "a")
+    assert len(warnings) == 2 and all("server.max_incarnations" in w for w in warnings)
+    b = await hub.device("b")  # the fleet goes on
+    await _publish(b, range(1))
+    await eventually(lambda: _readings(hub, "b", 1), timeout=TIMEOUT, what="b's reading")
+    assert len(await hub_readings(hub.js, "a", "tele.temp")) == 2
+    assert len(await hub.js.streams_info()) == streams_before + 3  # b's: no mirror for a's new
+    audit = run_cli(
+        "hub_ingest", "audit", "--config", str(write_hub_toml(hub.config, tmp_path / "hub.toml"))
+    )
+    assert audit.returncode == 1, audit.stderr  # the archive cannot see what a's island holds
+    assert "a: the hub does not take its TELEMETRY" in audit.stdout
+
+    hub.config = replace(hub.config, server=replace(hub.config.server, max_incarnations=2))
+    await hub.stop_watching()
+    hub.start_watch()
+    await eventually(lambda: _readings(hub, "a", 5), timeout=TIMEOUT, what="a's 5 readings")
+    assert await _refusals(hub, "a") == ([], [])
 
 
 async def test_two_reimages_in_a_row(hub: Hub) -> None:

@@ -19,7 +19,8 @@ from hub_ingest.cli.report import render_table
 from hub_ingest.commands.send import command_status
 from hub_ingest.fleet.registry import Registry
 from hub_ingest.local.fleet import stream_messages, write_hub_toml
-from hub_ingest.report.collect import collect_report, hub_gaps
+from hub_ingest.report.collect import collect_report
+from hub_ingest.report.flags import hub_gaps
 from hub_ingest.report.model import (
     CommandCounts,
     CommandError,

@@ -50,12 +50,14 @@ from edge_agent.protocol.names import (
     COMMAND_MIRROR,
     EVENTS,
     INCARNATION,
+    INCARNATION_ID,
     ISLAND_CONSUMER,
     OUTBOUND,
     TELEMETRY,
     command_stream,
     hub_consumer,
     hub_deliver_subject,
+    incarnation_of_consumer,
     island_deliver_subject,
 )
 from edge_agent.protocol.pack import PACK_HEADER, PACK_SUBJECT, READINGS, pack_range
@@ -253,12 +255,44 @@ async def outbound_streams(js: JetStreamContext) -> dict[str, StreamInfo | None]
 
 
 def incarnation_of(info: StreamInfo | None) -> str | None:
-    """An outbound stream's incarnation (None: no stream, or no id)."""
-    return None if info is None else (info.config.metadata or {}).get(INCARNATION)
+    """An outbound stream's incarnation (None: no stream, no id, or an id no hub stream
+    could be named after, see `_repaired`)."""
+    found = None if info is None else (info.config.metadata or {}).get(INCARNATION)
+    return found if isinstance(found, str) and INCARNATION_ID.fullmatch(found) else None
 
 
 def _incarnations(infos: Mapping[str, StreamInfo | None]) -> dict[str, str | None]:
     return {name: incarnation_of(info) for name, info in infos.items()}
+
+
+async def _repaired(
+    js: JetStreamContext, infos: Mapping[str, StreamInfo | None]
+) -> dict[str, str | None]:
+    """`_incarnations`, where a stream whose id is unusable (edited by hand, damaged: the hub
+    refuses it, and no consumer can be named after it) takes back the id of the one hub
+    consumer it has; with none, a fresh id follows (the hub then takes the stream again from
+    its sequence 1)."""
+    found = _incarnations(infos)
+    for name, info in infos.items():
+        if (
+            info is None
+            or found[name] is not None
+            or INCARNATION not in (info.config.metadata or {})
+        ):
+            continue
+        kept = {
+            i
+            for c in await js.consumers_info(name)
+            if c.name and (i := incarnation_of_consumer(c.name))
+        }
+        found[name] = kept.pop() if len(kept) == 1 else None
+        log.warning(
+            "incarnation_unusable",
+            stream=name,
+            id=(info.config.metadata or {}).get(INCARNATION),
+            restored=found[name],
+        )
+    return found
 
 
 async def incarnations(js: JetStreamContext) -> dict[str, str | None]:
@@ -332,7 +366,7 @@ async def reconcile(
     fresh = new_incarnation()
     try:
         infos = await outbound_streams(js)
-        found = _incarnations(infos)
+        found = await _repaired(js, infos)
         packed = packs_telemetry(infos[TELEMETRY], config)
         chosen = {name: found[name] or fresh for name in OUTBOUND}
         if new := [name for name in OUTBOUND if found[name] is None]:

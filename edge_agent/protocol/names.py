@@ -105,7 +105,16 @@ def hub_consumer(incarnation: str) -> str:
     incarnation's: the hub's old mirror finds nothing to resume and can never take the new
     incarnation's messages under the old one's sequence numbers.
     """
-    return f"HUB_{incarnation}"
+    return f"{_HUB_CONSUMER}{incarnation}"
+
+
+_HUB_CONSUMER = "HUB_"
+
+
+def incarnation_of_consumer(name: str) -> str | None:
+    """The incarnation whose `hub_consumer` is `name`, if it is one."""
+    incarnation = name.removeprefix(_HUB_CONSUMER)
+    return incarnation if name != incarnation and INCARNATION_ID.fullmatch(incarnation) else None
 
 
 def hub_deliver_subject(device_id: str, incarnation: str, device_stream: str) -> str:

@@ -85,14 +85,27 @@ class IncarnationChange:
 
 
 @dataclass(frozen=True, slots=True)
+class RefusedIncarnation:
+    """A device stream's incarnation the hub will not take (`hub_ingest.fleet.watch`): what
+    the device sends in it waits on the device, out of the archive's sight."""
+
+    device_id: str
+    stream: str
+    incarnation: str
+    reason: str
+    since: str
+
+
+@dataclass(frozen=True, slots=True)
 class AuditReport:
     devices: tuple[DeviceAudit, ...]
     streams: tuple[StreamBacklog, ...] = ()
     incarnation_changes: tuple[IncarnationChange, ...] = ()
+    refused: tuple[RefusedIncarnation, ...] = ()
 
     @property
     def ok(self) -> bool:
-        return all(d.ok for d in self.devices)
+        return all(d.ok for d in self.devices) and not self.refused
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -100,6 +113,7 @@ class AuditReport:
             "devices": [{**asdict(d), "ok": d.ok} for d in self.devices],
             "streams": [asdict(s) for s in self.streams],
             "incarnation_changes": [asdict(c) for c in self.incarnation_changes],
+            "refused": [asdict(r) for r in self.refused],
         }
 
 

@@ -12,11 +12,12 @@ from datetime import date
 from typing import Any
 
 from hub_ingest.archive import maintenance
-from hub_ingest.archive.audit import AuditReport, audit_archive, backlog
+from hub_ingest.archive.audit import AuditReport, RefusedIncarnation, audit_archive, backlog
 from hub_ingest.archive.table import location as table_location
 from hub_ingest.core.config import HubConfig
 from hub_ingest.core.connect import hub_connection
 from hub_ingest.fleet.gaps import healed
+from hub_ingest.fleet.registry import Registry
 from hub_ingest.fleet.streams import aggregate_stream_names
 
 
@@ -94,7 +95,12 @@ async def _audit(config: HubConfig, args: argparse.Namespace) -> int:
         js = nc.jetstream(domain=config.nats.domain)
         report = audit_archive(config.ingest, await healed(js))
         streams = await backlog(js, config.ingest, await aggregate_stream_names(js))
-    report = AuditReport(report.devices, tuple(streams), report.incarnation_changes)
+        refused = [
+            RefusedIncarnation(d.device_id, r.stream, r.id, r.reason, r.at)
+            for d in await (await Registry.open(js)).list()
+            for r in d.refused
+        ]
+    report = AuditReport(report.devices, tuple(streams), report.incarnation_changes, tuple(refused))
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:
@@ -126,4 +132,13 @@ def _print(report: AuditReport) -> None:
         )
     for s in report.streams:
         print(f"{s.stream}: {s.unarchived} messages not archived yet (hub seq {s.last_seq})")
-    print("archive ok" if report.ok else "archive NOT ok: duplicates or unexplained gaps")
+    for r in report.refused:
+        print(
+            f"{r.device_id}: the hub does not take its {r.stream} incarnation {r.incarnation!r}"
+            f" (since {r.since}): {r.reason}"
+        )
+    print(
+        "archive ok"
+        if report.ok
+        else "archive NOT ok: duplicates, unexplained gaps or incarnations the hub refuses"
+    )

@@ -82,6 +82,7 @@ class ServerConfig:
     admission: str = "callout"  # or "users_file": see hub_ingest.fleet.admission
     link_life: float = 86400.0  # callout: a link signs in again within it (fleet.cutoff)
     shared_key_hold: float = 600.0  # callout: a key on two machines refused (fleet.shared_keys)
+    max_incarnations: int = 16  # a device stream's hub mirrors, one an incarnation (fleet.watch)
 
 
 @dataclass(frozen=True, slots=True)
@@ -322,6 +323,7 @@ def _server(srv: Section, state_dir: Path, home: Path) -> ServerConfig:
         admission=srv.get("admission", _admission, "callout"),
         link_life=srv.get("link_life", _positive_duration, 86400.0),
         shared_key_hold=srv.get("shared_key_hold", parse_duration, 600.0),
+        max_incarnations=srv.get("max_incarnations", positive_int, 16),
     )
     srv.finish()
     return server

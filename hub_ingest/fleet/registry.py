@@ -15,7 +15,7 @@ import itertools
 import json
 import weakref
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime
 from typing import Any
@@ -79,6 +79,17 @@ class Incarnation:
     via_shard: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """An incarnation of a device stream the hub will not mirror (`hub_ingest.fleet.watch`):
+    what it holds stays on the island. Kept until the hub takes a later one of the stream."""
+
+    stream: str
+    id: str  # as the island names it
+    reason: str
+    at: str  # when the hub first refused it (hub clock)
+
+
 BUCKET = "FLEET_DEVICES"
 
 
@@ -99,6 +110,7 @@ class Device:
     # 2026-11-30, which keep an import of their own: their hub mirrors were made with it, and
     # a mirror's source cannot change in place.
     island_api: str = ""
+    refused: tuple[Refusal, ...] = field(default=())  # at most one a device stream
 
     @classmethod
     def new(cls, device_id: str, domain: str, shard: int, nkey: str) -> Device:
@@ -121,6 +133,10 @@ class Device:
         """The newest incarnation of the device stream `stream`, if the hub has seen one."""
         return next((i for i in reversed(self.incarnations) if i.stream == stream), None)
 
+    def refusal(self, stream: str) -> Refusal | None:
+        """Why the hub refuses the incarnation of `stream` its island names, if it does."""
+        return next((r for r in self.refused if r.stream == stream), None)
+
     def to_json(self) -> bytes:
         return json.dumps(asdict(self)).encode()
 
@@ -128,7 +144,8 @@ class Device:
     def from_json(cls, data: bytes) -> Device:
         fields: dict[str, Any] = json.loads(data)
         seen = fields.pop("incarnations", [])
-        return cls(**fields, incarnations=tuple(Incarnation(**i) for i in seen))
+        refused = tuple(Refusal(**r) for r in fields.pop("refused", []))
+        return cls(**fields, incarnations=tuple(Incarnation(**i) for i in seen), refused=refused)
 
 
 def assign_shards(existing: Iterable[Device], count: int, max_per_shard: int) -> list[int]:
@@ -273,9 +290,51 @@ class Registry:
         return device
 
     async def add_incarnation(self, device_id: str, incarnation: Incarnation) -> Device:
-        """Record `incarnation` (once: a second call with the same id changes nothing)."""
+        """Record `incarnation` (once: a second call with the same id changes nothing), and
+        forget the refusal of an earlier one of its stream."""
+
+        def add(device: Device) -> Device:
+            if any(
+                (i.stream, i.id) == (incarnation.stream, incarnation.id)
+                for i in device.incarnations
+            ):
+                return device
+            return replace(
+                device,
+                incarnations=(*device.incarnations, incarnation),
+                refused=tuple(r for r in device.refused if r.stream != incarnation.stream),
+            )
+
+        return await self._update(device_id, add)
+
+    async def refuse(self, device_id: str, refusal: Refusal) -> tuple[Device, bool]:
+        """Record `refusal` in place of any other of its stream, unless the device has it
+        already (same id and reason); the device, and whether it is new."""
+
+        def refuse(device: Device) -> Device:
+            if any(
+                (r.stream, r.id, r.reason) == (refusal.stream, refusal.id, refusal.reason)
+                for r in device.refused
+            ):
+                return device
+            others = tuple(r for r in device.refused if r.stream != refusal.stream)
+            return replace(device, refused=(*others, refusal))
+
+        device = await self._update(device_id, refuse)
+        return device, refusal in device.refused
+
+    async def forget_refusal(self, device_id: str, stream: str) -> Device:
+        """Forget the refusal of `stream`'s incarnation: its island went back to one the hub
+        has (an id repaired by the agent)."""
+
+        def forget(device: Device) -> Device:
+            return replace(device, refused=tuple(r for r in device.refused if r.stream != stream))
+
+        return await self._update(device_id, forget)
+
+    async def _update(self, device_id: str, change: Callable[[Device], Device]) -> Device:
         try:
-            return await self._add_incarnation(device_id, incarnation)
+            return await self._write(device_id, change)
         except _Raced:
             raise RegistryError(
                 f"device {device_id!r}: registry kept changing under the update"
@@ -289,23 +348,22 @@ class Registry:
         wait=wait_exponential_jitter(multiplier=0.05, jitter=0.05, max=1.0),
         reraise=True,
     )
-    async def _add_incarnation(self, device_id: str, incarnation: Incarnation) -> Device:
+    async def _write(self, device_id: str, change: Callable[[Device], Device]) -> Device:
+        """Write `change` of the device as stored now, if it changes anything."""
         try:
             entry = await self._kv.get(device_id)
         except KeyNotFoundError:
             raise RegistryError(f"device {device_id!r} is not registered") from None
         assert entry.value is not None and entry.revision is not None
         device = Device.from_json(entry.value)
-        if any(
-            (i.stream, i.id) == (incarnation.stream, incarnation.id) for i in device.incarnations
-        ):
+        changed = change(device)
+        if changed == device:
             return device
-        device = replace(device, incarnations=(*device.incarnations, incarnation))
         try:
-            await self._kv.update(device_id, device.to_json(), last=entry.revision)
+            await self._kv.update(device_id, changed.to_json(), last=entry.revision)
         except KeyWrongLastSequenceError:
             raise _Raced from None
-        return device
+        return changed
 
     async def remove(self, device_id: str) -> Device:
         device = await self.get(device_id)

@@ -46,7 +46,7 @@ from hub_ingest.fleet.admission import Admission
 from hub_ingest.fleet.auth import ACCOUNT
 from hub_ingest.fleet.provision import mirror_targets, provision
 from hub_ingest.fleet.refill import Refiller
-from hub_ingest.fleet.registry import Device, Incarnation, Registry
+from hub_ingest.fleet.registry import Device, Incarnation, Refusal, Registry
 from hub_ingest.fleet.requests import ask_json
 
 log = structlog.get_logger(__name__)
@@ -55,8 +55,6 @@ ASK_TIMEOUT = 2.0  # one STREAM.INFO over the leaf link
 # How often a running rollout reads its open batches' reports: one request per device.
 ROLLOUT_S = 2.0
 RECHECK_S = 30.0  # a linked device is asked again this often, in case a reconnect was missed
-# (device, stream) → the unusable incarnation id its island last named, logged once
-_REFUSED: dict[tuple[str, str], str] = {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,17 +80,25 @@ async def device_incarnations(nc: Client, device: Device) -> dict[str, Seen]:
             continue
         config = info.get("config") or {}
         incarnation = (config.get("metadata") or {}).get(INCARNATION)
-        if isinstance(incarnation, str) and INCARNATION_ID.fullmatch(incarnation):
-            packed = config.get("subjects") == [PACK_SUBJECT]
-            found[stream] = Seen(incarnation, packed)
-        elif incarnation is not None and _REFUSED.get((device.device_id, stream)) != incarnation:
-            # Not a name part of a hub stream (a hostile or damaged island): its mirror would
-            # fail every provisioning pass, for the whole fleet. Its data stays on the island.
-            _REFUSED[(device.device_id, stream)] = incarnation
-            log.error(
-                "incarnation_refused", device_id=device.device_id, stream=stream, id=incarnation
-            )
+        if incarnation is not None:
+            found[stream] = Seen(str(incarnation), config.get("subjects") == [PACK_SUBJECT])
     return found
+
+
+def _refusal(device: Device, stream: str, seen: Seen, max_incarnations: int) -> str | None:
+    """Why the hub will not mirror `seen`, if it will not."""
+    if not INCARNATION_ID.fullmatch(seen.id):
+        # Not a name part of a hub stream (a hostile or damaged island): its mirror would
+        # fail every provisioning pass, for the whole fleet.
+        return "not 1-32 letters, digits or dashes"
+    if sum(i.stream == stream for i in device.incarnations) >= max_incarnations:
+        # Each costs the hub a mirror for good: a device whose store is wiped at every boot,
+        # or a hostile one, would otherwise grow the hub's streams without end.
+        return (
+            f"the hub mirrors {max_incarnations} of its incarnations already "
+            "(server.max_incarnations)"
+        )
+    return None
 
 
 async def _command_fence(js: JetStreamContext, device: Device, stream: str) -> int:
@@ -104,17 +110,37 @@ async def _command_fence(js: JetStreamContext, device: Device, stream: str) -> i
 async def record(
     js: JetStreamContext,
     registry: Registry,
+    config: HubConfig,
     device: Device,
     seen: Mapping[str, Seen],
+    *,
     via_shard: bool,
 ) -> list[Incarnation]:
-    """Record the incarnations in `seen` the hub does not know; the new ones, whose mirrors
-    take their deliveries renamed by their shard if `via_shard` (see `_via_shard`).
-    The caller provisions their streams, once for all the devices it records (one pass over
-    the whole fleet each: per device, onboarding a fleet would grow with its square)."""
+    """Record the incarnations in `seen` the hub does not know, or their refusal; the new
+    ones, whose mirrors take their deliveries renamed by their shard if `via_shard` (see
+    `_via_shard`). The caller provisions their streams, once for all the devices it records
+    (one pass over the whole fleet each: per device, onboarding a fleet would grow with its
+    square)."""
     new = []
     for stream, found in sorted(seen.items()):
         if _known(device, stream, found):
+            if device.refusal(stream):
+                device = await registry.forget_refusal(device.device_id, stream)
+                log.info("incarnation_refusal_over", device_id=device.device_id, stream=stream)
+            continue
+        reason = _refusal(device, stream, found, config.server.max_incarnations)
+        if reason is not None:
+            device, fresh = await registry.refuse(
+                device.device_id, Refusal(stream, found.id, reason, utc_now_iso())
+            )
+            if fresh:  # its data stays on the island: `report` flags the device
+                log.error(
+                    "incarnation_refused",
+                    device_id=device.device_id,
+                    stream=stream,
+                    id=found.id,
+                    reason=reason,
+                )
             continue
         previous = device.current(stream)
         fence = await _command_fence(js, device, stream)
@@ -148,10 +174,13 @@ async def observe(
     new: list[Incarnation] = []
     changed: set[str] = set()
     for device, seen in zip(devices, found, strict=True):
-        if any(not _known(device, s, i) for s, i in seen.items()):
+        if not _settled(device, seen):
             current = await registry.get(device.device_id)
-            new += await record(js, registry, current, seen, _via_shard(current, bound))
-            changed.add(device.device_id)
+            if recorded := await record(
+                js, registry, config, current, seen, via_shard=_via_shard(current, bound)
+            ):
+                new += recorded
+                changed.add(device.device_id)
     if new:
         await provision(js, config, await registry.list(), only=changed)
     return new
@@ -159,6 +188,11 @@ async def observe(
 
 def _known(device: Device, stream: str, seen: Seen) -> bool:
     return any((i.stream, i.id) == (stream, seen.id) for i in device.incarnations)
+
+
+def _settled(device: Device, seen: Mapping[str, Seen]) -> bool:
+    """Whether the hub has what `seen` names, and has refused none of those streams."""
+    return all(_known(device, s, i) and not device.refusal(s) for s, i in seen.items())
 
 
 def _leafs(leafz: Mapping[str, object]) -> list[dict[str, Any]]:
@@ -305,12 +339,17 @@ class _Rounds:
         answers = await asyncio.gather(*(device_incarnations(self.nc, d) for d, _ in due))
         recorded: set[str] = set()
         for (device, leaf), seen in zip(due, answers, strict=True):
-            if any(not _known(device, s, i) for s, i in seen.items()):
+            if not _settled(device, seen):
                 current = await self.registry.get(device.device_id)
-                self.unprovisioned = True
-                await record(self.js, self.registry, current, seen, _via_shard(current, bound))
-                recorded.add(device.device_id)
-                self.fleet.forget()
+                was, self.unprovisioned = self.unprovisioned, True
+                via_shard = _via_shard(current, bound)
+                if await record(
+                    self.js, self.registry, self.config, current, seen, via_shard=via_shard
+                ):
+                    recorded.add(device.device_id)
+                    self.fleet.forget()
+                else:  # refused, as it was: nothing to provision
+                    self.unprovisioned = was
             # Right after the link comes up the agent may not have made its streams yet: ask
             # again at the next round until both have answered.
             if len(seen) == len(OUTBOUND):

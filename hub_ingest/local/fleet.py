@@ -146,6 +146,7 @@ sync = {json.dumps(format_sync(srv.sync))}
 admission = {json.dumps(srv.admission)}
 link_life = {srv.link_life}
 shared_key_hold = {srv.shared_key_hold}
+max_incarnations = {srv.max_incarnations}
 [commands]
 max_bytes = {config.commands.max_bytes}
 max_age = {config.commands.max_age}

@@ -48,6 +48,7 @@ from hub_ingest.fleet.admission_figures import (
 from hub_ingest.fleet.gaps import MirrorGaps, read_gaps
 from hub_ingest.fleet.registry import Device
 from hub_ingest.fleet.streams import AGGREGATES, mirror_name, stream_list
+from hub_ingest.report.flags import flags, gap_warnings, hub_gaps, refusal_warnings
 from hub_ingest.report.heartbeats import (
     EVENTS,
     Forgeries,
@@ -153,65 +154,9 @@ async def _mirror_info(api: HubApi, device: Device, device_stream: str) -> dict[
     return await api.device_stream_info(mirror_name(device.device_id, current))
 
 
-def _flags(
-    last_seen_s: float | None,
-    silent_after: float,
-    unexamined: Mapping[str, tuple[int, int]],
-    gaps: GapCounts,
-    shared: bool,
-) -> tuple[str, ...]:
-    flags = []
-    if last_seen_s is None:
-        flags.append("never_seen")
-    elif last_seen_s > silent_after:
-        flags.append("silent")
-    if unexamined:
-        flags.append("hub_gap")
-    if gaps.pending:
-        flags.append("gap_pending")
-    if any(reason != "evicted" for reason in gaps.lost):  # evictions are the budget's drops
-        flags.append("lost")
-    if shared:
-        flags.append("key_shared")
-    return tuple(flags)
-
-
-def hub_gaps(
-    sources: Iterable[SourceState],
-    beat: Mapping[str, Any] | None,
-    accounted: Mapping[str, int] | None = None,
-) -> dict[str, tuple[int, int]]:
-    """Per device stream, (skipped, dropped) where the hub's mirror skipped more sequences
-    than the refill has looked at (`accounted`, per device stream) plus what the device says
-    its budget removed (by heartbeat `beat`): not yet refilled nor counted lost
-    (`hub-ingest audit` names them)."""
-    gaps = {}
-    for source in sources:
-        dropped = beat_figure(beat, "streams", source.device_stream, "dropped") or 0
-        skipped = (source.skipped or 0) - (accounted or {}).get(source.device_stream, 0)
-        if skipped > dropped:
-            gaps[source.device_stream] = (skipped, dropped)
-    return gaps
-
-
 def _current(device: Device, record: MirrorGaps) -> bool:
     incarnation = device.current(record.device_stream)
     return incarnation is not None and incarnation.id == record.incarnation
-
-
-def _gap_warnings(device_id: str, gaps: GapCounts) -> list[str]:
-    warnings = []
-    if gaps.pending:
-        warnings.append(
-            f"device {device_id}: {gaps.pending} readings the hub's copy skipped wait for "
-            f"its island to answer (for {gaps.pending_age_s:.0f}s); they are refilled when it "
-            f"links"
-        )
-    lost = {reason: n for reason, n in gaps.lost.items() if reason != "evicted"}
-    if lost:
-        said = ", ".join(f"{n} {reason}" for reason, n in lost.items())
-        warnings.append(f"device {device_id}: readings lost before the hub had them: {said}")
-    return warnings
 
 
 @dataclass(frozen=True, slots=True)
@@ -279,7 +224,8 @@ async def _device_report(fleet: _Fleet, device: Device) -> tuple[DeviceReport, l
         f"sequences, the device reports dropping {dropped} (hub-ingest audit names them)"
         for stream, (skipped, dropped) in gaps.items()
     )
-    warnings.extend(_gap_warnings(device.device_id, device_gaps))
+    warnings.extend(gap_warnings(device.device_id, device_gaps))
+    warnings.extend(refusal_warnings(device))
     report = DeviceReport(
         device_id=device.device_id,
         domain=device.domain,
@@ -295,12 +241,13 @@ async def _device_report(fleet: _Fleet, device: Device) -> tuple[DeviceReport, l
         dead_letters=beat_figure(beat, "outbox", "dead_letters"),
         commands=counts,
         last_error=last_error,
-        flags=_flags(
+        flags=flags(
             last_seen,
             fleet.silent_after,
             gaps,
             device_gaps,
-            device.device_id in fleet.shared,
+            shared=device.device_id in fleet.shared,
+            refused=bool(device.refused),
         ),
         incarnations=device.incarnations,
         forged_events=fleet.forged.counts[device.device_id],
