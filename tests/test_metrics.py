@@ -75,3 +75,4 @@ async def test_report_prometheus_has_a_series_per_device(hub: Hub, tmp_path: Pat
     assert found[("hub_fleet_devices", ())] == 2 and found[("hub_fleet_connected", ())] == 1
     assert found[("hub_device_commands_pending", (("device", "a"),))] == 0
     assert ("hub_device_last_seen_seconds", (("device", "a"),)) in found
+    assert 0 < found[("hub_store_used_ratio", (("node", "hub"),))] < 0.1

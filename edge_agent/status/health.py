@@ -31,7 +31,7 @@ from edge_agent.protocol.files import read_json
 from edge_agent.protocol.monitor import Monitor
 from edge_agent.protocol.names import COMMAND_MIRROR, EVENTS, INCARNATION, TELEMETRY, hub_consumer
 from edge_agent.protocol.pack import PACK_SUBJECT, READINGS
-from edge_agent.protocol.units import parse_time, utc_now_iso
+from edge_agent.protocol.units import format_size, parse_time, utc_now_iso
 from edge_agent.status.reach import HubReach, reach_hub
 
 log = structlog.get_logger(__name__)
@@ -335,15 +335,6 @@ async def collect_status(
     )
 
 
-def _size(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024 or unit == "GiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{n} B"
-
-
 def render_status(status: Status) -> str:
     """A short human-readable report (``edge-agent status`` without ``--json``)."""
     link = "up" if status.link.up else "down"
@@ -360,15 +351,16 @@ def render_status(status: Status) -> str:
         lines.append(f"{'stream':<12}{'messages':>10}{'bytes':>12}{'budget':>8}{'dropped':>9}")
         for s in status.streams.values():
             lines.append(
-                f"{s.name:<12}{s.messages:>10}{_size(s.bytes):>12}"
+                f"{s.name:<12}{s.messages:>10}{format_size(s.bytes):>12}"
                 f"{s.budget_used_pct:>7.1f}%{s.dropped:>9}"
             )
     for s in status.streams.values():
         if s.uplink is not None:
             up = s.uplink
             eta = f", drains in {up.drain_eta_s:.0f}s" if up.drain_eta_s else ""
+            waiting = format_size(up.backlog_bytes)
             lines.append(
-                f"uplink      {s.name}: {up.backlog_messages} waiting ({_size(up.backlog_bytes)})"
+                f"uplink      {s.name}: {up.backlog_messages} waiting ({waiting})"
                 f"{eta}, window {up.window}, last crossed {up.last_crossed or 'never'}"
             )
     if status.uplink_unstalled:
@@ -385,7 +377,7 @@ def render_status(status: Status) -> str:
     if status.outbox is not None:
         box = status.outbox
         oldest = f", oldest {box.oldest_age_s:.1f}s" if box.oldest_age_s is not None else ""
-        lines.append(f"outbox      {box.depth} waiting, {_size(box.bytes)}{oldest}")
+        lines.append(f"outbox      {box.depth} waiting, {format_size(box.bytes)}{oldest}")
     if status.commands is not None:
         c = status.commands
         lines.append(

@@ -30,7 +30,7 @@ from edge_agent.protocol.pack import PACK_HEADER, pack_range
 from hub_ingest.core.buckets import GAPS, bucket_values
 from hub_ingest.core.config import HubConfig
 from hub_ingest.fleet.registry import Device, Incarnation, Registry
-from hub_ingest.fleet.streams import mirror_name
+from hub_ingest.fleet.streams import DEFAULT_DEDUP_WINDOW, dedup_window, mirror_name
 
 REFILL_STREAM = "FLEET_REFILL"
 REFILL_HEADER = "Edge-Refill-Of"  # <mirror> <device seq> <subject> <device store time>
@@ -48,7 +48,7 @@ def refill_stream(config: HubConfig) -> StreamConfig:
         subjects=["refill.>"],
         storage=StorageType.FILE,
         discard=DiscardPolicy.OLD,
-        duplicate_window=120.0,
+        duplicate_window=dedup_window(DEFAULT_DEDUP_WINDOW, config.aggregates.max_age),
         max_bytes=config.aggregates.max_bytes,
         max_age=config.aggregates.max_age,
         allow_direct=True,

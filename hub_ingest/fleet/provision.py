@@ -69,8 +69,10 @@ from hub_ingest.fleet.gaps import REFILL_STREAM, Target, refill_source, refill_s
 from hub_ingest.fleet.registry import BUCKET, Device, Incarnation, Registry
 from hub_ingest.fleet.streams import (
     AGGREGATES,
+    DEFAULT_DEDUP_WINDOW,
     MANAGED_BY,
     Aggregate,
+    dedup_window,
     mirror_name,
     shard_deliveries,
     shard_of,
@@ -81,7 +83,6 @@ log = structlog.get_logger(__name__)
 _ROUNDS = 5  # of provisioning, while the registry changes under it
 _NONE_READ: Mapping[str, StreamConfig | None] = MappingProxyType({})
 COMMAND_DEDUP_WINDOW = 600.0  # seconds
-DEFAULT_DEDUP_WINDOW = 120.0  # nats-server's, for a stream with neither mirror nor sources
 
 
 def mirror_metadata(device_id: str, incarnation: Incarnation) -> dict[str, str]:
@@ -252,7 +253,7 @@ def commands_stream(config: HubConfig) -> StreamConfig:
         max_bytes=config.commands.max_bytes,
         # Long enough for `command send` retries to be de-duplicated by Nats-Msg-Id; the
         # server refuses a window longer than the stream keeps messages.
-        duplicate_window=min(COMMAND_DEDUP_WINDOW, config.commands.max_age or COMMAND_DEDUP_WINDOW),
+        duplicate_window=dedup_window(COMMAND_DEDUP_WINDOW, config.commands.max_age),
         allow_direct=True,
         metadata=MANAGED_BY,
         num_replicas=config.replicas,
@@ -288,7 +289,9 @@ def aggregate_streams(
                     # which apps set as they like, so a window here would keep one device's
                     # message and drop another's with the same id. The server gives a stream
                     # without sources its default window, and echoes it.
-                    duplicate_window=0 if sources else DEFAULT_DEDUP_WINDOW,
+                    duplicate_window=0
+                    if sources
+                    else dedup_window(DEFAULT_DEDUP_WINDOW, config.aggregates.max_age),
                     allow_direct=True,
                     metadata=MANAGED_BY,
                     num_replicas=config.replicas,

@@ -33,9 +33,18 @@ class Aggregate:
         return f"fleet.{device_id}.{self.prefix}"
 
 
+MIRROR_PREFIX = "EDGE_"
+DEFAULT_DEDUP_WINDOW = 120.0  # nats-server's, for a stream with neither mirror nor sources
+
+
+def dedup_window(window: float, max_age: float) -> float:
+    """`window`, within a stream's `max_age` (0: none), which nats-server requires."""
+    return min(window, max_age) if max_age > 0 else window
+
+
 def mirror_name(device_id: str, incarnation: Incarnation) -> str:
     """The hub's mirror of one incarnation of a device stream (``EDGE_TELEMETRY_a_<id>``)."""
-    return f"EDGE_{incarnation.stream}_{device_id}_{incarnation.id}"
+    return f"{MIRROR_PREFIX}{incarnation.stream}_{device_id}_{incarnation.id}"
 
 
 # Where the hub's account takes each shard's deliveries of the islands' consumers, renamed by

@@ -99,6 +99,7 @@ def loopback_hub_config(
     leaf_compression: str = "accept",
     leaf_tls: dict[str, Any] | None = None,
     admission: str | None = None,
+    max_file_store: str = "1GiB",
     **aggregates: Any,
 ) -> HubConfig:
     """A hub under ``root/hub`` listening on free loopback ports (`leaf_tls`: the
@@ -116,7 +117,7 @@ def loopback_hub_config(
                 "monitor_listen": f"127.0.0.1:{free_port()}",
                 "leaf_listen": f"127.0.0.1:{free_port()}",
                 "leaf_compression": leaf_compression,
-                "max_file_store": "1GiB",
+                "max_file_store": max_file_store,
                 **({"admission": admission} if admission else {}),
                 **({"leaf_tls": leaf_tls} if leaf_tls else {}),
             },
@@ -194,6 +195,7 @@ async def start_local_hub(
     leaf_compression: str = "accept",
     leaf_tls: dict[str, Any] | None = None,
     admission: str | None = None,
+    max_file_store: str = "1GiB",
     **aggregates: Any,
 ) -> LocalHub:
     """Render, start and provision a hub under ``root/hub`` (see `loopback_hub_config`)."""
@@ -202,6 +204,7 @@ async def start_local_hub(
         leaf_compression=leaf_compression,
         leaf_tls=leaf_tls,
         admission=admission,
+        max_file_store=max_file_store,
         **aggregates,
     )
     conf = config.server.config_file
@@ -209,8 +212,15 @@ async def start_local_hub(
     write_durably(conf, render_server_config(config))
     monitor = f"http://{config.server.monitor_listen}"
     server = await ServerProcess(conf, monitor, env=SERVER_ENV).start()
-    nc, js = await admin_connection(config)
-    await provision(js, config, [])
+    nc: Client | None = None
+    try:
+        nc, js = await admin_connection(config)
+        await provision(js, config, [])
+    except BaseException:  # left running, they would outlive the caller
+        if nc is not None:
+            await nc.close()
+        server.kill()
+        raise
     return LocalHub(config, server, nc, js)
 
 

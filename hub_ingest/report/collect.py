@@ -69,6 +69,7 @@ from hub_ingest.report.model import (
     GapCounts,
     SourceState,
 )
+from hub_ingest.report.store import StoreFigures, read_store, store_warnings
 
 # Devices whose hub streams are read at once: a large fleet's report waits on round trips,
 # not on the hub, which answers many requests in parallel.
@@ -269,11 +270,13 @@ class Collection:
         devices: list[Device],
         warnings: list[str],
         admission: list[AdmissionFigures],
+        store: list[StoreFigures],
     ) -> None:
         self.generated_at = format_time(fleet.now)
         self.silent_after_s = fleet.silent_after
         self.warnings = warnings
         self.admission = admission
+        self.store = store
         self._fleet, self._devices = fleet, devices
 
     def header(self) -> dict[str, Any]:
@@ -291,6 +294,7 @@ class Collection:
             tuple(reports),
             tuple(self.warnings),
             tuple(self.admission),
+            tuple(self.store),
         )
 
     async def report(self) -> FleetReport:
@@ -345,8 +349,10 @@ async def start_report(
     warnings: list[str] = []
     now = datetime.now(UTC)
 
-    urls = [monitor] if monitor else list(monitor_urls(config).values())
-    leaves = await asyncio.to_thread(linked_leaves, urls, warnings)
+    urls = {"hub": monitor} if monitor else monitor_urls(config)
+    leaves = await asyncio.to_thread(linked_leaves, urls.values(), warnings)
+    store = await asyncio.to_thread(read_store, urls)
+    warnings.extend(store_warnings(store, listed))
 
     names = sorted({a.stream_name(d.shard) for d in devices for a in AGGREGATES})
     infos = {name: await api.stream_info(name) for name in names}
@@ -368,7 +374,7 @@ async def start_report(
         warnings.extend(figure_warnings(admission, now))
     shared = shared_devices(admission, now)
     fleet = _Fleet(api, tallies, infos, gaps, leaves, forged, now, silent_after, heartbeats, shared)
-    return Collection(fleet, devices, warnings, admission)
+    return Collection(fleet, devices, warnings, admission, store)
 
 
 async def _tallies(api: HubApi, devices: Iterable[Device]) -> dict[str, Tally]:

@@ -141,13 +141,21 @@ class HubApi:
         return [Stored.of(msg) for msg in msgs]
 
 
-def leaf_names(base_url: str, timeout: float = 5.0) -> set[str]:
-    """Names of the leaf nodes connected to the hub right now (``/leafz``)."""
+def monitor_get(base_url: str, path: str, timeout: float = 5.0) -> dict[str, Any]:
+    """What a hub server's monitoring endpoint answers at `path` (``/leafz``)."""
     try:
-        with urllib.request.urlopen(f"{base_url}/leafz", timeout=timeout) as resp:
-            leafz = json.load(resp)
+        with urllib.request.urlopen(f"{base_url}{path}", timeout=timeout) as resp:
+            found = json.load(resp)
     except (OSError, ValueError) as exc:
         raise ReportError(f"hub monitoring endpoint {base_url}: {exc}") from exc
+    if not isinstance(found, dict):
+        raise ReportError(f"hub monitoring endpoint {base_url}{path}: not an object")
+    return found
+
+
+def leaf_names(base_url: str, timeout: float = 5.0) -> set[str]:
+    """Names of the leaf nodes connected to the hub right now (``/leafz``)."""
+    leafz = monitor_get(base_url, "/leafz", timeout)
     return {str(leaf.get("name")) for leaf in leafz.get("leafs") or []}
 
 

@@ -58,6 +58,11 @@ def render_prometheus(report: FleetReport) -> str:
         ("hub_fleet_commands_pending", "commands waiting for a result", t.commands_pending),
     ):
         Gauge(name, doc, registry=registry).set(value)
+    store = Gauge(
+        "hub_store_used_ratio", "of server.max_file_store used", ["node"], registry=registry
+    )
+    for node in report.store:
+        store.labels(node.node).set(node.used)
     for name, doc, what in _PER_DEVICE:
         gauge = Gauge(name, doc, ["device"], registry=registry)
         for device in report.devices:

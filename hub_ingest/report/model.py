@@ -13,6 +13,7 @@ from edge_agent.protocol.units import parse_time
 from hub_ingest.fleet.admission_figures import AdmissionFigures
 from hub_ingest.fleet.gaps import MirrorGaps
 from hub_ingest.fleet.registry import Incarnation
+from hub_ingest.report.store import StoreFigures
 
 SCHEMA = "hub-ingest.report/1"
 
@@ -166,6 +167,7 @@ class FleetReport:
     warnings: tuple[str, ...] = field(default=())
     # Under the auth callout: what each node's watcher let in, refused and cut.
     admission: tuple[AdmissionFigures, ...] = field(default=())
+    store: tuple[StoreFigures, ...] = field(default=())  # each node's, by `/jsz`
 
     @property
     def flagged(self) -> bool:
@@ -202,4 +204,5 @@ class FleetReport:
             "totals": asdict(self.totals),
             "warnings": list(self.warnings),
             "admission": [asdict(f) for f in self.admission],
+            "store": [{**asdict(f), "used": round(f.used, 4)} for f in self.store],
         }

@@ -337,6 +337,7 @@ async def start_hub(
     leaf_compression: str = "accept",
     leaf_tls: dict[str, Any] | None = None,
     admission: str | None = None,
+    max_file_store: str = "1GiB",
     **aggregates: Any,
 ) -> Hub:
     local = await start_local_hub(
@@ -344,6 +345,7 @@ async def start_hub(
         leaf_compression=leaf_compression,
         leaf_tls=leaf_tls,
         admission=admission,
+        max_file_store=max_file_store,
         **aggregates,
     )
     hub = Hub(local.config, local.server, local.nc, local.js, root)
