@@ -9,8 +9,12 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
+
 from edge_agent.protocol.files import write_durably
-from hub_ingest.fleet.registry import Registry
+from hub_ingest.core.errors import ProvisionError
+from hub_ingest.fleet.provision import provision
+from hub_ingest.fleet.registry import Incarnation, Registry
 from hub_ingest.fleet.server import render_server_config
 from hub_ingest.report.collect import collect_report
 from tests.support.cluster import Hub, hub_readings, start_hub
@@ -94,5 +98,30 @@ async def test_a_hub_keeping_readings_less_than_two_minutes_is_provisioned(
             return len(await hub_readings(hub.js, "a", "tele.temp")) == 1
 
         await eventually(arrived, timeout=TIMEOUT, what="a's reading")
+    finally:
+        await hub.close()
+
+
+async def test_mirrors_past_what_max_bytes_holds_back_are_refused_with_the_reason(
+    tmp_path: Path,
+) -> None:
+    """nats-server holds back a stream's max_bytes when it is made, and each device mirror
+    has the aggregates': with 96 MiB of 1 GiB, the fourth device's mirrors find no room. The
+    error names the setting and the sum, not only the server's words."""
+    hub = await start_hub(tmp_path, max_bytes="96MiB")
+    try:
+        registry = await Registry.open(hub.js)
+        for i in range(4):
+            await hub.register(f"d{i}")
+            for stream in ("TELEMETRY", "EVENTS"):
+                seen = Incarnation(stream, f"inc{i}", "2026-12-02T00:00:00Z", 0, via_shard=True)
+                await registry.add_incarnation(f"d{i}", seen)
+            if i < 3:
+                await provision(hub.js, hub.config, await registry.list())
+        with pytest.raises(ProvisionError) as refused:
+            await provision(hub.js, hub.config, await registry.list())
+        assert "insufficient storage resources available" in str(refused.value)
+        assert "aggregates.max_bytes (96.0 MiB)" in str(refused.value)
+        assert "1.0 GiB for 4 devices" in str(refused.value)  # (2 * 4 + 3) * 96 MiB
     finally:
         await hub.close()

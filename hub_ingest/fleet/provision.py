@@ -73,6 +73,7 @@ from hub_ingest.fleet.streams import (
     MANAGED_BY,
     Aggregate,
     dedup_window,
+    held_back,
     mirror_name,
     shard_deliveries,
     shard_of,
@@ -429,7 +430,7 @@ async def _provision_once(
             (_reconcile_read(js, a, read) for a in aggregates), REQUESTS_AT_ONCE
         )
     except StreamError as exc:
-        raise ProvisionError(str(exc)) from exc
+        raise ProvisionError(f"{exc}{held_back(config, len(devices), exc)}") from exc
     except APIError as exc:
         raise ProvisionError(f"{exc.description} (code {exc.err_code})") from exc
     for result in results:

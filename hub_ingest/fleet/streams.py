@@ -13,6 +13,9 @@ from typing import Any
 from nats.js import JetStreamContext
 from nats.js.api import StreamInfo
 
+from edge_agent.protocol.errors import StreamError
+from edge_agent.protocol.units import format_size
+from hub_ingest.core.config import HubConfig
 from hub_ingest.fleet.registry import Incarnation
 
 MANAGED_BY = {"managed-by": "hub-ingest"}
@@ -34,6 +37,24 @@ class Aggregate:
 
 
 MIRROR_PREFIX = "EDGE_"
+_NO_ROOM = 10047  # JetStream's err_code: a stream's max_bytes cannot be held back
+
+
+def held_back(config: HubConfig, devices: int, exc: StreamError) -> str:
+    """Why a stream found no room, when ``aggregates.max_bytes`` is the likely cause (said
+    after `exc`'s own words), or ""."""
+    size = config.aggregates.max_bytes
+    if f"(code {_NO_ROOM})" not in str(exc) or size <= 0:
+        return ""
+    return (
+        f": nats-server holds back aggregates.max_bytes ({format_size(size)}) for each "
+        f"aggregate and device mirror, about {format_size((2 * devices + 3) * size)} for "
+        f"{devices} devices, of server.max_file_store "
+        f"({format_size(config.server.max_file_store)}); use aggregates.max_age or a "
+        'smaller max_bytes (docs/operations.md, "The hub\'s store fills")'
+    )
+
+
 DEFAULT_DEDUP_WINDOW = 120.0  # nats-server's, for a stream with neither mirror nor sources
 
 
