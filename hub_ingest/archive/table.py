@@ -30,7 +30,7 @@ import pyarrow.dataset as ds
 import pyarrow.fs as pafs
 import structlog
 from pyiceberg.catalog import Catalog, load_catalog
-from pyiceberg.exceptions import NoSuchTableError
+from pyiceberg.exceptions import CommitFailedException, NoSuchTableError
 from pyiceberg.expressions import AlwaysTrue
 from pyiceberg.io import OutputStream
 from pyiceberg.io.pyarrow import PyArrowFile, PyArrowFileIO
@@ -52,6 +52,10 @@ PROPERTIES = {
     "write.metadata.delete-after-commit.enabled": "true",
     "write.metadata.previous-versions-max": "20",
 }
+# pyiceberg retries a commit that lost a race by applying it again on top of the winner's,
+# which re-adds the batch's files and sets the archived sequences back: another ingest's
+# batch would be archived twice. A lost race fails the batch instead (see `commit`).
+NO_RETRIES = {"commit.retry.num-retries": "0"}
 
 
 def is_local(path: Path | str) -> bool:
@@ -156,7 +160,7 @@ def create(config: IngestConfig, name: str, schema: pa.Schema) -> Table:
     cat = catalog(config)
     cat.create_namespace_if_not_exists(name.rpartition(".")[0])
     with cat.create_table_transaction(
-        name, schema, location=location(config.archive), properties=PROPERTIES
+        name, schema, location=location(config.archive), properties=PROPERTIES | NO_RETRIES
     ) as tx:
         with tx.update_spec() as spec:
             spec.add_identity(PARTITION_COLUMN)
@@ -176,6 +180,10 @@ def create_or_evolve(config: IngestConfig, schema: pa.Schema) -> Table:
     table = load(config)
     if table is None:
         return create(config, config.table, schema)
+    if any(table.properties.get(key) != value for key, value in NO_RETRIES.items()):
+        with table.transaction() as tx:  # a table made before 2026-12-02
+            tx.set_properties(NO_RETRIES)
+        table = table.refresh()
     missing = [f.name for f in schema if f.name not in table.schema().column_names]
     if missing:
         with table.transaction() as tx:
@@ -195,9 +203,15 @@ def archived(table: Table) -> dict[str, int]:
 
 def commit(table: Table, files: list[str], seqs: dict[str, int], summary: dict[str, str]) -> None:
     """Add `files` and advance the archived sequences, as one snapshot (`summary` in it)."""
-    with table.transaction() as tx:
-        tx.set_properties({f"{ARCHIVED}{stream}": str(seq) for stream, seq in seqs.items()})
-        tx.add_files(files, snapshot_properties=summary, check_duplicate_files=False)
+    try:
+        with table.transaction() as tx:
+            tx.set_properties({f"{ARCHIVED}{stream}": str(seq) for stream, seq in seqs.items()})
+            tx.add_files(files, snapshot_properties=summary, check_duplicate_files=False)
+    except CommitFailedException as exc:
+        raise ArchiveError(
+            f"the archive table changed while this batch was committed ({exc}): another "
+            "hub-ingest run on it? Nothing of the batch was committed; run again"
+        ) from exc
 
 
 def read(

@@ -22,8 +22,12 @@ is fsynced before its catalog points at it (`hub_ingest.archive.table.SyncedFile
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
+import os
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,6 +35,7 @@ import structlog
 
 from edge_agent.protocol.files import fsync, write_durably
 from hub_ingest.archive.table import is_local
+from hub_ingest.core.errors import IngestError
 
 log = structlog.get_logger(__name__)
 
@@ -173,3 +178,26 @@ def _remove(path: Path, done: Repair, *, quiet: bool = False) -> None:
         path.unlink()
         if not quiet:
             done.removed.append(str(path))
+
+
+@contextlib.contextmanager
+def only_run(checkpoint: Path) -> Iterator[None]:
+    """Hold ``<checkpoint>.lock`` for as long as the ingest runs: a second run on the same
+    checkpoint (the timer's and one started by hand) is refused at once. Two would plan the
+    same batches, and Spark fails one of them half way ("Concurrent update to the log")."""
+    lock = checkpoint.with_name(f"{checkpoint.name}.lock")
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with lock.open("a+") as held:
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            held.seek(0)
+            holder = held.read().strip() or "unknown"
+            raise IngestError(
+                f"another hub-ingest run (pid {holder}) is archiving with the checkpoint "
+                f"{checkpoint}; this one stops (it would archive the same batches)"
+            ) from None
+        held.truncate(0)
+        held.write(str(os.getpid()))
+        held.flush()
+        yield

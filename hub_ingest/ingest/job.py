@@ -55,7 +55,7 @@ from hub_ingest.core.config import HubConfig
 from hub_ingest.core.connect import hub_connection
 from hub_ingest.core.errors import ConfigError, DataLossError, IngestError
 from hub_ingest.fleet.streams import aggregate_stream_names
-from hub_ingest.ingest.durability import SyncedBatches, repair
+from hub_ingest.ingest.durability import SyncedBatches, only_run, repair
 from hub_ingest.ingest.sink import BatchCommit, TableSink, ensure_table, remove_unfinished
 from hub_ingest.ingest.source import FORMAT, SCHEMA, JetStreamDataSource
 
@@ -261,16 +261,19 @@ def _refuse_parquet_archive(archive: Path) -> None:
 
 
 def run(config: HubConfig, *, once: bool, master: str | None, stop: threading.Event) -> int:
-    """`master`: ``run --master``; without it spark-submit's, or else ``ingest.master``."""
-    spark = spark_session(master or (None if under_spark_submit() else config.ingest.master))
-    try:
-        # A progress line on a terminal; the journal gets the JSON lines alone.
-        progress = sys.stderr if sys.stderr.isatty() else None
-        ingest(spark, config, once=once, stop=stop, progress=progress)
-    finally:
-        spark.stop()
-    if once and config.ingest.compact_after_run:
-        maintenance.expire(config.ingest, maintenance.compact(config.ingest))
+    """`master`: ``run --master``; without it spark-submit's, or else ``ingest.master``.
+    One run a checkpoint at a time (`only_run`), from before Spark starts to after the
+    compaction."""
+    with only_run(config.ingest.checkpoint):
+        spark = spark_session(master or (None if under_spark_submit() else config.ingest.master))
+        try:
+            # A progress line on a terminal; the journal gets the JSON lines alone.
+            progress = sys.stderr if sys.stderr.isatty() else None
+            ingest(spark, config, once=once, stop=stop, progress=progress)
+        finally:
+            spark.stop()
+        if once and config.ingest.compact_after_run:
+            maintenance.expire(config.ingest, maintenance.compact(config.ingest))
     return 0
 
 
