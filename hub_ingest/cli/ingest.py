@@ -19,6 +19,7 @@ from hub_ingest.core.connect import hub_connection
 from hub_ingest.fleet.gaps import healed
 from hub_ingest.fleet.registry import Registry
 from hub_ingest.fleet.streams import aggregate_stream_names
+from hub_ingest.ingest.durability import only_run
 
 
 def register(sub: Any) -> None:
@@ -63,8 +64,9 @@ def _date(text: str) -> date:
 
 
 def _compact(config: HubConfig, args: argparse.Namespace) -> int:
-    report = maintenance.compact(config.ingest, args.date)
-    maintenance.expire(config.ingest, report)
+    with only_run(config.ingest.checkpoint, "compact"):
+        report = maintenance.compact(config.ingest, args.date)
+        maintenance.expire(config.ingest, report)
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
         return 0
@@ -81,7 +83,8 @@ def _compact(config: HubConfig, args: argparse.Namespace) -> int:
 
 
 def _relocate(config: HubConfig, args: argparse.Namespace) -> int:
-    files = maintenance.relocate(config.ingest)
+    with only_run(config.ingest.checkpoint, "relocate"):
+        files = maintenance.relocate(config.ingest)
     where = table_location(config.ingest.archive)
     if args.json:
         print(json.dumps({"table": config.ingest.table, "location": where, "data_files": files}))

@@ -181,10 +181,11 @@ def _remove(path: Path, done: Repair, *, quiet: bool = False) -> None:
 
 
 @contextlib.contextmanager
-def only_run(checkpoint: Path) -> Iterator[None]:
-    """Hold ``<checkpoint>.lock`` for as long as the ingest runs: a second run on the same
-    checkpoint (the timer's and one started by hand) is refused at once. Two would plan the
-    same batches, and Spark fails one of them half way ("Concurrent update to the log")."""
+def only_run(checkpoint: Path, what: str = "run") -> Iterator[None]:
+    """Hold ``<checkpoint>.lock`` for as long as the ingest (`what`) runs: a second run on
+    the same checkpoint (the timer's and one started by hand) is refused at once. Two would
+    plan the same batches, and Spark fails one of them half way ("Concurrent update to the
+    log"); a compaction would delete the files a running batch has not committed yet."""
     lock = checkpoint.with_name(f"{checkpoint.name}.lock")
     lock.parent.mkdir(parents=True, exist_ok=True)
     with lock.open("a+") as held:
@@ -194,8 +195,8 @@ def only_run(checkpoint: Path) -> Iterator[None]:
             held.seek(0)
             holder = held.read().strip() or "unknown"
             raise IngestError(
-                f"another hub-ingest run (pid {holder}) is archiving with the checkpoint "
-                f"{checkpoint}; this one stops (it would archive the same batches)"
+                f"another hub-ingest run, compact or relocate (pid {holder}) is working on "
+                f"this archive (it holds {lock}); this {what} stops"
             ) from None
         held.truncate(0)
         held.write(str(os.getpid()))
