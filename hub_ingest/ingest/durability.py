@@ -185,7 +185,7 @@ def only_run(checkpoint: Path, what: str = "run") -> Iterator[None]:
     """Hold ``<checkpoint>.lock`` for as long as the ingest (`what`) runs: a second run on
     the same checkpoint (the timer's and one started by hand) is refused at once. Two would
     plan the same batches, and Spark fails one of them half way ("Concurrent update to the
-    log"); a compaction would delete the files a running batch has not committed yet."""
+    log"); a compaction's commits would race the batches' (`table.commit`)."""
     lock = checkpoint.with_name(f"{checkpoint.name}.lock")
     lock.parent.mkdir(parents=True, exist_ok=True)
     with lock.open("a+") as held:
