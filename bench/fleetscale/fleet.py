@@ -317,7 +317,7 @@ class Fleet:
         devices = [d for d in await registry.list() if d.device_id in ids]
         seen = await limited(partial(device_incarnations, self.hub.nc, d) for d in devices)
         for device, found in zip(devices, seen, strict=True):
-            await record(self.hub.js, registry, device, found, via_shard=True)
+            await record(self.hub.js, registry, self.hub.config, device, found, via_shard=True)
 
     async def provision_pass(self) -> float:
         """Seconds of one `provision` of the whole fleet with nothing to change: what each
