@@ -15,6 +15,9 @@ up, as seen on ``/leafz``, and for every linked device now and then. It also adv
 running rollout (`hub_ingest.fleet.rollout`), and answers the hub's questions about who may
 connect when devices are admitted by callout (`hub_ingest.fleet.admission`).
 
+An incarnation whose id cannot name a hub stream, or past ``server.max_incarnations`` of its
+device stream, is refused: kept in the device's record (`report` flags it) and not mirrored.
+
 The command fence is the last ``CMD_<id>`` sequence when the hub first saw a device's second or
 later incarnation (0 for its first): a re-imaged agent answers the commands up to it
 ``rejected`` without running them, since the old incarnation may have run them already. The
@@ -55,6 +58,7 @@ ASK_TIMEOUT = 2.0  # one STREAM.INFO over the leaf link
 # How often a running rollout reads its open batches' reports: one request per device.
 ROLLOUT_S = 2.0
 RECHECK_S = 30.0  # a linked device is asked again this often, in case a reconnect was missed
+REFUSED_ID_KEPT = 64  # characters of a refused id kept in the record: an island names any
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,15 +134,16 @@ async def record(
             continue
         reason = _refusal(device, stream, found, config.server.max_incarnations)
         if reason is not None:
+            kept = found.id[:REFUSED_ID_KEPT]
             device, fresh = await registry.refuse(
-                device.device_id, Refusal(stream, found.id, reason, utc_now_iso())
+                device.device_id, Refusal(stream, kept, reason, utc_now_iso())
             )
             if fresh:  # its data stays on the island: `report` flags the device
                 log.error(
                     "incarnation_refused",
                     device_id=device.device_id,
                     stream=stream,
-                    id=found.id,
+                    id=kept,
                     reason=reason,
                 )
             continue
