@@ -234,6 +234,7 @@ async def _refusals(hub: Hub, device_id: str) -> tuple[list[str], list[str]]:
     report = await collect_report(hub.nc, hub.config, devices, silent_after=3600)
     (line,) = [d for d in report.devices if d.device_id == device_id]
     refused = [f for f in line.flags if f == "incarnation_refused"]
+    assert bool(refused) == bool(line.to_dict()["refused"])
     warnings = [w for w in report.warnings if w.startswith(f"device {device_id}: the hub does not")]
     return refused, warnings
 

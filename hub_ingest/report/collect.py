@@ -48,7 +48,7 @@ from hub_ingest.fleet.admission_figures import (
 from hub_ingest.fleet.gaps import MirrorGaps, read_gaps
 from hub_ingest.fleet.registry import Device
 from hub_ingest.fleet.streams import AGGREGATES, mirror_name, stream_list
-from hub_ingest.report.flags import flags, gap_warnings, hub_gaps, refusal_warnings
+from hub_ingest.report.flags import device_flags, gap_warnings, hub_gaps, refusal_warnings
 from hub_ingest.report.heartbeats import (
     EVENTS,
     Forgeries,
@@ -242,7 +242,7 @@ async def _device_report(fleet: _Fleet, device: Device) -> tuple[DeviceReport, l
         dead_letters=beat_figure(beat, "outbox", "dead_letters"),
         commands=counts,
         last_error=last_error,
-        flags=flags(
+        flags=device_flags(
             last_seen,
             fleet.silent_after,
             gaps,
@@ -251,6 +251,7 @@ async def _device_report(fleet: _Fleet, device: Device) -> tuple[DeviceReport, l
             refused=bool(device.refused),
         ),
         incarnations=device.incarnations,
+        refused=device.refused,
         forged_events=fleet.forged.counts[device.device_id],
         uplinks=beat_uplinks(beat),
         gaps=device_gaps,

@@ -10,7 +10,7 @@ from hub_ingest.report.heartbeats import beat_figure
 from hub_ingest.report.model import GapCounts, SourceState
 
 
-def flags(
+def device_flags(
     last_seen_s: float | None,
     silent_after: float,
     unexamined: Mapping[str, tuple[int, int]],

@@ -12,7 +12,7 @@ from typing import Any
 from edge_agent.protocol.units import parse_time
 from hub_ingest.fleet.admission_figures import AdmissionFigures
 from hub_ingest.fleet.gaps import MirrorGaps
-from hub_ingest.fleet.registry import Incarnation
+from hub_ingest.fleet.registry import Incarnation, Refusal
 from hub_ingest.report.store import StoreFigures
 
 SCHEMA = "hub-ingest.report/1"
@@ -98,11 +98,13 @@ class DeviceReport:
     last_error: CommandError | None
     # "never_seen" or "silent"; "hub_gap" (skips the refill has not looked at yet),
     # "gap_pending" (skips waiting for the island), "lost" (skips the island no longer had),
-    # "key_shared" (its key links from two machines at once: `hub_ingest.fleet.shared_keys`)
+    # "key_shared" (its key links from two machines at once: `hub_ingest.fleet.shared_keys`),
+    # "incarnation_refused" (the hub takes no incarnation of one of its streams: `fleet.watch`)
     flags: tuple[str, ...]
     # Every incarnation of the device's streams the hub has seen, oldest first: a new one
     # means the device was re-imaged (or its store replaced) at about `seen_at`.
     incarnations: tuple[Incarnation, ...] = ()
+    refused: tuple[Refusal, ...] = ()  # incarnations the hub will not take, one a stream
     # Results and heartbeats this device sent that claim another device: ignored, counted.
     forged_events: int = 0
     # Per outbound stream, as of the latest heartbeat: when a message last crossed, the
