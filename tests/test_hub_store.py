@@ -125,3 +125,23 @@ async def test_mirrors_past_what_max_bytes_holds_back_are_refused_with_the_reaso
         assert "1.0 GiB for 4 devices" in str(refused.value)  # (2 * 4 + 3) * 96 MiB
     finally:
         await hub.close()
+
+
+async def test_a_device_whose_mirrors_were_never_made_is_warned_of(tmp_path: Path) -> None:
+    """An incarnation recorded whose provisioning failed (no room, above) was visible only
+    in the watcher's log: the report showed the device "not sourced", with no flag or
+    warning, until it went silent."""
+    hub = await start_hub(tmp_path, watching=False)
+    try:
+        await hub.register("d")
+        seen = Incarnation("TELEMETRY", "inc1", "2026-12-02T00:00:00Z", 0, via_shard=True)
+        await (await Registry.open(hub.js)).add_incarnation("d", seen)  # not provisioned
+        devices = await (await Registry.open(hub.js)).list()
+        report = await collect_report(hub.nc, hub.config, devices, silent_after=3600)
+        (warning,) = [w for w in report.warnings if "does not take it in" in w]
+        assert warning.startswith("device d: the hub has seen its TELEMETRY (incarnation inc1)")
+        await provision(hub.js, hub.config, devices)
+        report = await collect_report(hub.nc, hub.config, devices, silent_after=3600)
+        assert not [w for w in report.warnings if "does not take it in" in w]
+    finally:
+        await hub.close()

@@ -71,6 +71,7 @@ from hub_ingest.report.model import (
 )
 from hub_ingest.report.store import StoreFigures, read_store, store_warnings
 
+NOT_SOURCED = "not sourced"  # a source's error: the hub knows the incarnation, not the mirror
 # Devices whose hub streams are read at once: a large fleet's report waits on round trips,
 # not on the hub, which answers many requests in parallel.
 CONCURRENT_DEVICES = 32
@@ -145,7 +146,7 @@ def _source_state(
                 error=error.get("description") if isinstance(error, dict) else error,
                 skipped=skipped,
             )
-    return SourceState(name, aggregate.device_stream, False, None, None, "not sourced", skipped)
+    return SourceState(name, aggregate.device_stream, False, None, None, NOT_SOURCED, skipped)
 
 
 async def _mirror_info(api: HubApi, device: Device, device_stream: str) -> dict[str, Any] | None:
@@ -205,6 +206,13 @@ async def _device_report(fleet: _Fleet, device: Device) -> tuple[DeviceReport, l
     )
     if any(s.error == OFFLINE for s in sources):
         warnings.append(f"device {device.device_id}: its streams on the hub are {OFFLINE}")
+    warnings.extend(
+        f"device {device.device_id}: the hub has seen its {s.device_stream} (incarnation "
+        f"{incarnation.id}) but does not take it in: its provisioning failed? (hub-ingest "
+        "watch's log says why; `hub-ingest provision` tries again)"
+        for s in sources
+        if s.error == NOT_SOURCED and (incarnation := device.current(s.device_stream))
+    )
     subject = heartbeat_subject(device.device_id)
     heartbeat = fleet.heartbeats.get(subject)
     beat = json_object(heartbeat.data) if heartbeat else None
