@@ -28,6 +28,10 @@ class ConfigError(ProtocolError):
 class StreamError(ProtocolError):
     """A stream could not be created or updated as configured."""
 
+    def __init__(self, message: str, *, err_code: int | None = None) -> None:
+        super().__init__(message)
+        self.err_code = err_code  # JetStream's, when the server answered with an error
+
 
 class StoreTrouble(StreamError):
     """The server could not write a stream or consumer (a full disk, no room left under its

@@ -111,8 +111,8 @@ def stream_error(what: str, exc: APIError) -> StreamError:
     problem = f"{what}: {exc.description} (code {exc.err_code})"
     description = (exc.description or "").lower()
     if exc.err_code in _STORE_CODES or any(words in description for words in _WRITE_FAILURES):
-        return StoreTrouble(problem)
-    return StreamError(problem)
+        return StoreTrouble(problem, err_code=exc.err_code)
+    return StreamError(problem, err_code=exc.err_code)
 
 
 # On a busy cluster a stream made a moment ago (by another provisioner, or by the step

@@ -44,7 +44,7 @@ def held_back(config: HubConfig, devices: int, exc: StreamError) -> str:
     """Why a stream found no room, when ``aggregates.max_bytes`` is the likely cause (said
     after `exc`'s own words), or ""."""
     size = config.aggregates.max_bytes
-    if f"(code {_NO_ROOM})" not in str(exc) or size <= 0:
+    if exc.err_code != _NO_ROOM or size <= 0:
         return ""
     return (
         f": nats-server holds back aggregates.max_bytes ({format_size(size)}) for each "
