@@ -20,7 +20,7 @@ import itertools
 import json
 import re
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -32,6 +32,7 @@ from hub_ingest.archive import table
 from hub_ingest.commands.send import attribute
 from hub_ingest.core.config import IngestConfig
 from hub_ingest.fleet.gaps import Healed, Ranges, expand
+from hub_ingest.fleet.registry import Refusal
 from hub_ingest.fleet.streams import AGGREGATES
 
 _HEARTBEAT = re.compile(r"^evt\.[^.]+\.heartbeat$")
@@ -85,23 +86,13 @@ class IncarnationChange:
 
 
 @dataclass(frozen=True, slots=True)
-class RefusedIncarnation:
-    """A device stream's incarnation the hub will not take (`hub_ingest.fleet.watch`): what
-    the device sends in it waits on the device, out of the archive's sight."""
-
-    device_id: str
-    stream: str
-    incarnation: str
-    reason: str
-    since: str
-
-
-@dataclass(frozen=True, slots=True)
 class AuditReport:
     devices: tuple[DeviceAudit, ...]
     streams: tuple[StreamBacklog, ...] = ()
     incarnation_changes: tuple[IncarnationChange, ...] = ()
-    refused: tuple[RefusedIncarnation, ...] = ()
+    # By device: the incarnations the hub will not take (`hub_ingest.fleet.watch`), whose
+    # data waits on the device, out of the archive's sight.
+    refused: Mapping[str, tuple[Refusal, ...]] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -113,7 +104,11 @@ class AuditReport:
             "devices": [{**asdict(d), "ok": d.ok} for d in self.devices],
             "streams": [asdict(s) for s in self.streams],
             "incarnation_changes": [asdict(c) for c in self.incarnation_changes],
-            "refused": [asdict(r) for r in self.refused],
+            "refused": [
+                {"device_id": device, **asdict(r)}
+                for device, refusals in self.refused.items()
+                for r in refusals
+            ],
         }
 
 

@@ -12,7 +12,7 @@ from datetime import date
 from typing import Any
 
 from hub_ingest.archive import maintenance
-from hub_ingest.archive.audit import AuditReport, RefusedIncarnation, audit_archive, backlog
+from hub_ingest.archive.audit import AuditReport, audit_archive, backlog
 from hub_ingest.archive.table import location as table_location
 from hub_ingest.core.config import HubConfig
 from hub_ingest.core.connect import hub_connection
@@ -98,12 +98,9 @@ async def _audit(config: HubConfig, args: argparse.Namespace) -> int:
         js = nc.jetstream(domain=config.nats.domain)
         report = audit_archive(config.ingest, await healed(js))
         streams = await backlog(js, config.ingest, await aggregate_stream_names(js))
-        refused = [
-            RefusedIncarnation(d.device_id, r.stream, r.id, r.reason, r.at)
-            for d in await (await Registry.open(js)).list()
-            for r in d.refused
-        ]
-    report = AuditReport(report.devices, tuple(streams), report.incarnation_changes, tuple(refused))
+        devices = await (await Registry.open(js)).list()
+    refused = {d.device_id: d.refused for d in devices if d.refused}
+    report = AuditReport(report.devices, tuple(streams), report.incarnation_changes, refused)
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:
@@ -135,11 +132,12 @@ def _print(report: AuditReport) -> None:
         )
     for s in report.streams:
         print(f"{s.stream}: {s.unarchived} messages not archived yet (hub seq {s.last_seq})")
-    for r in report.refused:
-        print(
-            f"{r.device_id}: the hub does not take its {r.stream} incarnation {r.incarnation!r}"
-            f" (since {r.since}): {r.reason}"
-        )
+    for device, refusals in report.refused.items():
+        for r in refusals:
+            print(
+                f"{device}: the hub does not take its {r.stream} incarnation {r.id!r}"
+                f" (since {r.at}): {r.reason}"
+            )
     print(
         "archive ok"
         if report.ok
