@@ -9,6 +9,8 @@ fresh read) when the ingest added files to that day meanwhile.
 no kept snapshot lists any more (and files of killed writes, once that old): a reader that
 planned a scan on an older snapshot keeps its files for that long.
 
+`trim` purges what the archive holds from the hub's telemetry (`hub_ingest.fleet.trim`).
+
 `relocate` adopts a copied or moved archive: Iceberg records absolute file paths, so the
 copy's catalog is pointed at a new table over the copy's own files (its history starts at
 that snapshot).
@@ -33,8 +35,10 @@ from tenacity import retry, retry_if_exception_type, stop_after_attempt
 
 from hub_ingest.archive import table
 from hub_ingest.archive.table import DATA_DIR, PARTITION_COLUMN
-from hub_ingest.core.config import IngestConfig
+from hub_ingest.core.config import HubConfig, IngestConfig
+from hub_ingest.core.connect import hub_connection
 from hub_ingest.core.errors import ArchiveError
+from hub_ingest.fleet.trim import TrimReport, trim_hub
 
 log = structlog.get_logger(__name__)
 
@@ -209,3 +213,12 @@ def relocate(config: IngestConfig) -> int:
     cat.rename_table(staged, config.table)
     log.info("archive_relocated", table=config.table, previous=source, location=target)
     return len(files)
+
+
+async def trim(config: HubConfig) -> TrimReport:
+    """Purge from the hub's telemetry what the archive holds and is older than
+    ``ingest.keep_on_hub``; nothing before the first batch is archived."""
+    archive = table.load(config.ingest)
+    archived = table.archived(archive) if archive is not None else {}
+    async with hub_connection(config, name="hub-ingest-trim") as nc:
+        return await trim_hub(nc.jetstream(domain=config.nats.domain), nc, config, archived)

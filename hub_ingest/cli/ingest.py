@@ -41,6 +41,11 @@ def register(sub: Any) -> None:
     c.add_argument("--date", type=_date, help="only this day (YYYY-MM-DD, UTC)")
     c.add_argument("--json", action="store_true")
     c.set_defaults(handler=_compact)
+    t = sub.add_parser(
+        "trim", help="purge from the hub's telemetry what is archived and older than keep_on_hub"
+    )
+    t.add_argument("--json", action="store_true")
+    t.set_defaults(handler=lambda config, args: asyncio.run(_trim(config, args)))
     m = sub.add_parser("relocate", help="adopt an archive directory that was copied or moved")
     m.add_argument("--json", action="store_true")
     m.set_defaults(handler=_relocate)
@@ -54,6 +59,19 @@ def _run(config: HubConfig, args: argparse.Namespace) -> int:
     from hub_ingest.ingest.job import run  # noqa: PLC0415
 
     return run(config, once=args.once, master=args.master, stop=stop)
+
+
+async def _trim(config: HubConfig, args: argparse.Namespace) -> int:
+    report = await maintenance.trim(config)
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+        return 0
+    for trimmed in report.streams:
+        print(f"{trimmed.stream}: {trimmed.messages} messages purged, first now {trimmed.first}")
+    for mirror in report.kept_for_refill:
+        print(f"{mirror}: kept whole until the refill settles what it skipped")
+    print(f"{report.messages} messages purged from {len(report.streams)} streams")
+    return 0
 
 
 def _date(text: str) -> date:

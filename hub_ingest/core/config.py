@@ -115,8 +115,7 @@ class ClusterConfig:
     # Of each device's own streams (its mirrors, CMD_<id>). 1, the default, gives them no Raft
     # group: what a device's streams hold, its island holds too (docs/scaling.md).
     device_replicas: int = 1
-    # The other regions, when this cluster is one region of a supercluster (docs/scaling.md).
-    gateways: tuple[GatewayConfig, ...] = ()
+    gateways: tuple[GatewayConfig, ...] = ()  # the other regions of a supercluster, if any
 
     def node(self, name: str) -> NodeConfig:
         for node in self.nodes:
@@ -145,6 +144,8 @@ class IngestConfig:
     compact_after_run: bool = False  # `run --once` compacts and expires when it is done
     keep_snapshots: float = 86400.0  # older snapshots are expired, their files deleted
     compact_file_size: int = 256 * 1024**2  # what `compact` aims at per file
+    trim_hub: bool = True  # `run --once` then trims the hub's telemetry (`fleet.trim`)
+    keep_on_hub: float = 86400.0  # what is archived but younger stays on the hub
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,9 +260,8 @@ def _parse(data: dict[str, Any], source: Path | None) -> HubConfig:
 
     server_data = root.get("server", _table, {})
     server = _server(Section(server_data, "server"), state_dir, state_dir)
-    cluster = None
-    if root.has("cluster"):
-        cluster = _cluster(root.table("cluster"), server_data, state_dir)
+    has_cluster = root.has("cluster")
+    cluster = _cluster(root.table("cluster"), server_data, state_dir) if has_cluster else None
     if commands.max_bytes >= server.max_file_store:
         # JetStream reserves a stream's max_bytes: nothing would be left for the fleet.
         raise agent_errors.ConfigError(
@@ -271,9 +271,8 @@ def _parse(data: dict[str, Any], source: Path | None) -> HubConfig:
         )
 
     ing = root.table("ingest")
-    archive = ing.get("archive", path, state_dir / "archive")
     ingest = IngestConfig(
-        archive=archive,
+        archive=(archive := ing.get("archive", path, state_dir / "archive")),
         catalog=ing.get("catalog", _catalog_uri, None),
         table=ing.get("table", _table_name, "hub.archive"),
         checkpoint=ing.get("checkpoint", path, state_dir / "checkpoint"),
@@ -287,6 +286,8 @@ def _parse(data: dict[str, Any], source: Path | None) -> HubConfig:
         compact_after_run=ing.get("compact_after_run", boolean, False),
         keep_snapshots=ing.get("keep_snapshots", parse_duration, 86400.0),
         compact_file_size=ing.get("compact_file_size", parse_size, 256 * 1024**2),
+        trim_hub=ing.get("trim_hub", boolean, True),
+        keep_on_hub=ing.get("keep_on_hub", parse_duration, 86400.0),
     )
     ing.finish()
     if ingest.catalog is None and ":/" in str(archive):

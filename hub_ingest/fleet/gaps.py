@@ -189,6 +189,8 @@ async def healed(js: JetStreamContext) -> dict[tuple[str, str, str], Healed]:
     }
     found = {}
     for name, record in records.items():
+        if not record.refilled and not record.lost:
+            continue  # nothing healed: a record of its head alone (`hub_ingest.fleet.trim`)
         key = (record.device_id, record.incarnation, record.device_stream)
         if name in packed:
             found[key] = Healed(frozenset(await _refilled_readings(js, name)), {})

@@ -18,11 +18,13 @@ The order of a micro-batch, each step once, each in one module:
    sequence of each stream;
 4. **acknowledge**: Spark writes the batch's commit entry; `ingest` then fsyncs the batch's
    checkpoint entries (`durability.SyncedBatches.mark`). Nothing is acknowledged to the hub:
-   the aggregates keep their messages for their own retention, and the next batch starts
-   from the checkpoint;
+   the aggregates keep their messages until step 5 trims them (or their own limits), and
+   the next batch starts from the checkpoint;
 5. **maintain** (`run`, after a ``--once`` run with ``ingest.compact_after_run``; else
    ``hub-ingest compact``): compact small files and expire old snapshots
-   (`archive.maintenance`).
+   (`archive.maintenance`); with ``ingest.trim_hub`` (the default; else ``hub-ingest
+   trim``), purge from the hub's telemetry what is archived and older than
+   ``ingest.keep_on_hub`` (`fleet.trim`).
 
 ``--once`` runs ``trigger(availableNow=True)``: everything in the streams when it starts, in
 batches of at most ``ingest.max_messages_per_trigger``, then exit (for a systemd timer).
@@ -274,6 +276,8 @@ def run(config: HubConfig, *, once: bool, master: str | None, stop: threading.Ev
             spark.stop()
         if once and config.ingest.compact_after_run:
             maintenance.expire(config.ingest, maintenance.compact(config.ingest))
+        if once and config.ingest.trim_hub:
+            asyncio.run(maintenance.trim(config))
     return 0
 
 

@@ -61,11 +61,9 @@ def share_ports(index: int, count: int) -> None:
 
 def free_port() -> int:
     """A port free right now on loopback (configs need fixed ports that survive restarts).
-
     Never the same port twice in one process: the kernel may hand a closed ephemeral port out
     again before the server it was meant for has bound it (seen: two islands of one test got
-    one monitor port, and the second agent took the first's island for its own).
-    """
+    one monitor port, and the second agent took the first's island for its own)."""
     index, count = _PORT_SHARE
     while True:
         with socket.socket() as sock:
@@ -165,6 +163,8 @@ max_messages_per_trigger = {ing.max_messages_per_trigger}
 trigger_interval = {ing.trigger_interval}
 messages_per_partition = {ing.messages_per_partition}
 fail_on_data_loss = {json.dumps(ing.fail_on_data_loss)}
+trim_hub = {json.dumps(ing.trim_hub)}
+keep_on_hub = {ing.keep_on_hub}
 """,
         encoding="utf-8",
     )

@@ -78,8 +78,9 @@ def store_warnings(
         f"hub node {f.node}: its store is {f.used:.0%} full ({format_size(f.used_bytes)} of "
         f"server.max_file_store {format_size(f.max_bytes)}); full, no device's readings, "
         "heartbeats or results are stored (they wait on the devices until their budgets "
-        "evict them). Set aggregates.max_age or raise server.max_file_store (docs/operations.md,"
-        f' "The hub\'s store fills").' + (f" Largest device mirrors: {named}." if named else "")
+        "evict them). Is the ingest archiving (it trims what it archived)? Else raise "
+        "server.max_file_store or set aggregates.max_age (docs/operations.md, "
+        f'"The hub\'s store fills").' + (f" Largest device mirrors: {named}." if named else "")
         for f in figures
         if f.used >= FILLING
     ]

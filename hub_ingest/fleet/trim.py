@@ -1,0 +1,206 @@
+"""The hub's telemetry trimmed of what the archive holds: the aggregates and the hub mirrors
+are a buffer in front of it, and without a trim every hub's store fills in time
+(docs/operations.md, "The hub's store fills").
+
+After each ``run --once``, and on ``hub-ingest trim``, each ``FLEET_TELEMETRY`` shard loses
+its rows below the first one that is either not archived yet (the table's
+``hub-ingest.archived.<stream>``) or younger than ``ingest.keep_on_hub``, and each hub mirror
+it sources loses its rows below the first one the shard still holds (a mirror's rows are in
+order there) or, when the shard holds none of it, below what the shard has not sourced yet.
+A mirror is left whole while it has a skipped sequence that the refill has not settled: its
+deleted sequences are how the refill finds what to read again. Purging a stream's head leaves
+its sources where they stand (nats-server keeps their state through a purge), and a trimmed
+mirror's new first sequence is written in its ``FLEET_GAPS`` record so that the refill does
+not take it for a skipped head.
+
+Not trimmed: ``FLEET_EVENTS`` and its mirrors, since ``report`` and the rollouts read each
+device's last heartbeat there, however old; ``FLEET_REFILL``, whose subjects make a refill
+happen once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import structlog
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+from nats.js.errors import KeyNotFoundError
+from nats.js.kv import KeyValue
+
+from edge_agent.protocol.names import js_api
+from hub_ingest.core.buckets import open_bucket
+from hub_ingest.core.config import HubConfig
+from hub_ingest.core.replies import direct_get
+from hub_ingest.fleet.aggregate_rows import sourced_row
+from hub_ingest.fleet.gaps import BUCKET, MirrorGaps, Target, expand, refilled_seqs
+from hub_ingest.fleet.provision import mirror_targets
+from hub_ingest.fleet.registry import Registry
+from hub_ingest.fleet.requests import Listed, deleted_seqs, stream_states
+from hub_ingest.fleet.streams import AGGREGATES
+
+log = structlog.get_logger(__name__)
+
+TRIMMED = AGGREGATES[0]  # FLEET_TELEMETRY's shards
+
+
+@dataclass(frozen=True, slots=True)
+class Trimmed:
+    """One stream's head purged."""
+
+    stream: str
+    messages: int  # purged
+    first: int  # its first sequence now
+
+
+@dataclass(slots=True)
+class TrimReport:
+    streams: list[Trimmed] = field(default_factory=list)
+    kept_for_refill: list[str] = field(default_factory=list)  # mirrors left whole
+
+    @property
+    def messages(self) -> int:
+        return sum(t.messages for t in self.streams)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "messages": self.messages,
+            "streams": [dataclasses.asdict(t) for t in self.streams],
+            "kept_for_refill": self.kept_for_refill,
+        }
+
+
+async def trim_hub(
+    js: JetStreamContext,
+    nc: Client,
+    config: HubConfig,
+    archived: Mapping[str, int],
+    now: datetime | None = None,
+) -> TrimReport:
+    """Purge what `archived` (aggregate stream → highest archived hub sequence) holds and is
+    older than ``ingest.keep_on_hub`` from the telemetry shards and their hub mirrors."""
+    api = js_api(config.nats.domain)
+    cutoff = (now or datetime.now(UTC)) - timedelta(seconds=config.ingest.keep_on_hub)
+    targets = mirror_targets(await (await Registry.open(js)).list())
+    base = TRIMMED.base_name
+    shards = {name for name in archived if name == base or name.startswith(f"{base}_")}
+    listed = await stream_states(js, shards | set(targets))
+    report = TrimReport()
+    floors: dict[str, int] = {}
+    for shard in sorted(shards & set(listed)):
+        floors[shard] = min(archived[shard] + 1, await _first_since(nc, api, shard, cutoff))
+        if purged := await _purge(nc, api, shard, floors[shard], listed[shard]):
+            report.streams.append(purged)
+    hub = _Hub(js, nc, api, await open_bucket(js, BUCKET, replicas=config.replicas))
+    for target in targets.values():
+        state = listed.get(target.mirror)
+        if target.aggregate in floors and state is not None:
+            await _trim_mirror(hub, target, floors[target.aggregate], state, report)
+    log.info("hub_trimmed", messages=report.messages, streams=len(report.streams))
+    return report
+
+
+@dataclass(frozen=True, slots=True)
+class _Hub:
+    js: JetStreamContext
+    nc: Client
+    api: str
+    kv: KeyValue  # FLEET_GAPS
+
+
+async def _trim_mirror(
+    hub: _Hub, target: Target, aggregate_floor: int, state: Listed, report: TrimReport
+) -> None:
+    floor = await _mirror_floor(hub.nc, hub.api, target, aggregate_floor, state)
+    if floor is None or floor <= state.first:
+        return
+    if state.deleted and await _unsettled_below(hub, target, floor):
+        report.kept_for_refill.append(target.mirror)
+        return
+    if purged := await _purge(hub.nc, hub.api, target.mirror, floor, state):
+        await _record_head(hub.kv, target, purged.first)
+        report.streams.append(purged)
+
+
+async def _first_since(nc: Client, api: str, stream: str, since: datetime) -> int:
+    """The sequence of `stream`'s first message stored at or after `since` (past its last
+    when there is none)."""
+    request = {"start_time": since.isoformat(), "batch": 1}
+    msgs = await direct_get(nc, api, stream, request, timeout=10)
+    if msgs:
+        return int((msgs[0].headers or {})["Nats-Sequence"])
+    return 2**63
+
+
+async def _mirror_floor(
+    nc: Client, api: str, target: Target, aggregate_floor: int, state: Listed
+) -> int | None:
+    """The first sequence of `target`'s mirror whose row the aggregate has not trimmed (at
+    or after `aggregate_floor`), or has not sourced; None when that cannot be told."""
+    found = await sourced_row(nc, api, target, aggregate_floor)
+    if found is not None:
+        return found
+    # The aggregate holds none of the mirror's rows from the floor on: all it sourced is
+    # below it. The mirror's last sequence was read before the lag, so this errs low.
+    lag = await _source_lag(nc, api, target)
+    return None if lag is None else state.last - lag + 1
+
+
+async def _source_lag(nc: Client, api: str, target: Target) -> int | None:
+    reply = await nc.request(f"{api}.STREAM.INFO.{target.aggregate}", b"", timeout=10)
+    for source in json.loads(reply.data).get("sources") or []:
+        if source.get("name") == target.mirror and source.get("error") is None:
+            return int(source.get("lag", 0))
+    return None
+
+
+async def _unsettled_below(hub: _Hub, target: Target, floor: int) -> bool:
+    """Whether the mirror skipped a sequence below `floor` that the refill has neither read
+    again, found in the aggregate, counted lost nor kept as pending."""
+    skipped = {s for s in await deleted_seqs(hub.nc, hub.api, target.mirror) if s < floor}
+    if not skipped:
+        return False
+    record = await _record(hub.kv, target)
+    settled = await refilled_seqs(hub.js, target.mirror)
+    settled |= expand(record.kept) | expand(record.pending)
+    settled = settled.union(*(expand(r) for r in record.lost.values()))
+    return bool(skipped - settled)
+
+
+async def _purge(nc: Client, api: str, stream: str, floor: int, state: Listed) -> Trimmed | None:
+    """Purge `stream` below `floor`; what was purged (None: nothing was below it)."""
+    floor = min(floor, state.last + 1)
+    if floor <= state.first:
+        return None
+    request = json.dumps({"seq": floor}).encode()
+    reply = json.loads((await nc.request(f"{api}.STREAM.PURGE.{stream}", request, timeout=10)).data)
+    if "error" in reply:
+        log.warning("hub_trim_refused", stream=stream, error=reply["error"])
+        return None
+    info = json.loads((await nc.request(f"{api}.STREAM.INFO.{stream}", b"", timeout=10)).data)
+    first = int((info.get("state") or {}).get("first_seq", floor))
+    return Trimmed(stream, int(reply.get("purged", 0)), first)
+
+
+async def _record(kv: KeyValue, target: Target) -> MirrorGaps:
+    try:
+        entry = await kv.get(target.mirror)
+    except KeyNotFoundError:
+        entry = None
+    if entry is not None and entry.value:
+        return MirrorGaps.from_json(entry.value)
+    return MirrorGaps(
+        target.mirror, target.device.device_id, target.incarnation.id, target.incarnation.stream
+    )
+
+
+async def _record_head(kv: KeyValue, target: Target, first: int) -> None:
+    """The refill compares a mirror's first sequence with its record's head: the same, it is
+    not looked at as a head made again."""
+    record = await _record(kv, target)
+    await kv.put(target.mirror, dataclasses.replace(record, head=first).to_json())

@@ -1,0 +1,78 @@
+"""The hub's telemetry trimmed of what the archive holds. Nothing trimmed the hub's streams:
+every hub's store filled in time, after which nats-server refused every device's data. The
+trim must take only what is archived, and a restarted hub must not source it again."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pyspark.sql import SparkSession
+
+from hub_ingest.archive import maintenance
+from hub_ingest.archive.audit import audit_archive
+from hub_ingest.fleet.gaps import read_gaps
+from tests.support.cluster import Device, Hub
+from tests.support.ingest import ingest_config, run_once
+from tests.support.waiting import eventually
+
+AGGREGATE = "FLEET_TELEMETRY"
+
+
+async def _publish(hub: Hub, device: Device, first: int, count: int) -> None:
+    for i in range(first, first + count):
+        await device.js.publish("tele.temp", json.dumps({"t": i}).encode())
+    last = first + count - 1
+    await eventually(
+        lambda: _last_is(hub, AGGREGATE, last), timeout=90, what=f"reading {last} at the hub"
+    )
+
+
+async def _last_is(hub: Hub, stream: str, seq: int) -> bool:
+    return (await hub.js.stream_info(stream)).state.last_seq >= seq
+
+
+@pytest.mark.spark
+async def test_the_hub_keeps_only_what_is_not_archived(hub: Hub, spark: SparkSession) -> None:
+    a = await hub.device("a", heartbeat_interval="1h")
+    await _publish(hub, a, 1, 50)
+    mirror = await hub.mirror("a")
+    config = ingest_config(hub, keep_on_hub=0.0)
+
+    nothing_archived = await maintenance.trim(config)
+    assert nothing_archived.messages == 0, nothing_archived
+
+    await run_once(spark, config)
+    await _publish(hub, a, 51, 10)  # not archived yet
+    kept_a_day = await maintenance.trim(ingest_config(hub))  # keep_on_hub: 24 h
+    assert kept_a_day.messages == 0, kept_a_day
+
+    trimmed = await maintenance.trim(config)
+    by_stream = {t.stream: t for t in trimmed.streams}
+    assert by_stream[AGGREGATE].messages == 50 and by_stream[AGGREGATE].first == 51
+    assert by_stream[mirror].messages == 50 and by_stream[mirror].first == 51
+    for stream in (AGGREGATE, mirror):
+        state = (await hub.js.stream_info(stream)).state
+        assert (state.first_seq, state.messages) == (51, 10), stream
+
+    # A restarted hub must not source the purged rows again: each aggregate finds where its
+    # sources stand from its rows' headers, and none of this mirror's trimmed rows is left.
+    await hub.restart()
+    await _publish(hub, a, 61, 20)
+    await eventually(
+        lambda: _holds(hub, AGGREGATE, 30), timeout=90, what="30 rows after the restart"
+    )
+    await run_once(spark, config)
+    (audit,) = [d for d in audit_archive(config.ingest).devices if d.hub_stream == AGGREGATE]
+    assert (audit.rows, audit.duplicates, audit.missing) == (80, 0, ()), audit
+    assert (audit.first_seq, audit.last_seq) == (1, 80)
+    # The refill took the trimmed head for what it is: nothing skipped, refilled or lost.
+    record = (await read_gaps(hub.js)).get(mirror)
+    assert record is not None and record.head == 51, record
+    assert (record.refilled, record.kept, record.lost, record.pending) == (0, [], {}, []), record
+
+
+async def _holds(hub: Hub, stream: str, count: int) -> bool:
+    state = (await hub.js.stream_info(stream)).state
+    assert state.messages <= count, f"{stream} holds {state.messages} rows, sourced again?"
+    return state.messages == count
