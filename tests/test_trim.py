@@ -76,3 +76,39 @@ async def _holds(hub: Hub, stream: str, count: int) -> bool:
     state = (await hub.js.stream_info(stream)).state
     assert state.messages <= count, f"{stream} holds {state.messages} rows, sourced again?"
     return state.messages == count
+
+
+@pytest.mark.spark
+async def test_a_skip_the_refill_has_not_looked_at_holds_the_trim(
+    hub: Hub, spark: SparkSession
+) -> None:
+    """The refill looks for a mirror's skipped row in the aggregate before it reads it from
+    the island again: trimmed from the aggregate first, the row would be archived twice."""
+    a = await hub.device("a", heartbeat_interval="1h")
+    await _publish(hub, a, 1, 20)
+    mirror = await hub.mirror("a")
+    config = ingest_config(hub, keep_on_hub=0.0)
+    await run_once(spark, config)
+    await hub.look_away()  # the watcher down, and with it the refill
+    assert await hub.js.delete_msg(mirror, 5)  # a row lost by the mirror, not the aggregate
+
+    held = await maintenance.trim(config)
+    assert (held.held_for_refill, held.messages) == ([mirror], 0), held
+
+    await hub.stop_watching()
+    hub.start_watch()
+
+    async def settled() -> bool:
+        record = (await read_gaps(hub.js)).get(mirror)
+        return record is not None and record.kept == [(5, 5)]
+
+    await eventually(settled, timeout=30, what="the refill finding row 5 in the aggregate")
+    trimmed = await maintenance.trim(config)
+    assert ({t.stream: t.messages for t in trimmed.streams}, trimmed.held_for_refill) == (
+        {AGGREGATE: 20, mirror: 19},
+        [],
+    ), trimmed
+    await _publish(hub, a, 21, 5)
+    await run_once(spark, config)
+    (audit,) = [d for d in audit_archive(config.ingest).devices if d.hub_stream == AGGREGATE]
+    assert (audit.rows, audit.duplicates, audit.missing) == (25, 0, ()), audit

@@ -68,8 +68,8 @@ async def _trim(config: HubConfig, args: argparse.Namespace) -> int:
         return 0
     for trimmed in report.streams:
         print(f"{trimmed.stream}: {trimmed.messages} messages purged, first now {trimmed.first}")
-    for mirror in report.kept_for_refill:
-        print(f"{mirror}: kept whole until the refill settles what it skipped")
+    for mirror in report.held_for_refill:
+        print(f"{mirror}: skipped a range the refill has not settled; its shard is kept whole")
     print(f"{report.messages} messages purged from {len(report.streams)} streams")
     return 0
 

@@ -7,8 +7,10 @@ its rows below the first one that is either not archived yet (the table's
 ``hub-ingest.archived.<stream>``) or younger than ``ingest.keep_on_hub``, and each hub mirror
 it sources loses its rows below the first one the shard still holds (a mirror's rows are in
 order there) or, when the shard holds none of it, below what the shard has not sourced yet.
-A mirror is left whole while it has a skipped sequence that the refill has not settled: its
-deleted sequences are how the refill finds what to read again. Purging a stream's head leaves
+A shard and its mirrors are left whole while one of them has a skipped sequence that the
+refill has not settled: the refill finds it by the mirror's deleted sequences, and looks for
+it in the shard before it reads it from the island again (a row trimmed there would be read
+again, and archived twice). Purging a stream's head leaves
 its sources where they stand (nats-server keeps their state through a purge), and a trimmed
 mirror's new first sequence is written in its ``FLEET_GAPS`` record so that the refill does
 not take it for a skipped head.
@@ -61,7 +63,7 @@ class Trimmed:
 @dataclass(slots=True)
 class TrimReport:
     streams: list[Trimmed] = field(default_factory=list)
-    kept_for_refill: list[str] = field(default_factory=list)  # mirrors left whole
+    held_for_refill: list[str] = field(default_factory=list)  # mirrors that held their shard
 
     @property
     def messages(self) -> int:
@@ -71,7 +73,7 @@ class TrimReport:
         return {
             "messages": self.messages,
             "streams": [dataclasses.asdict(t) for t in self.streams],
-            "kept_for_refill": self.kept_for_refill,
+            "held_for_refill": self.held_for_refill,
         }
 
 
@@ -91,17 +93,25 @@ async def trim_hub(
     shards = {name for name in archived if name == base or name.startswith(f"{base}_")}
     listed = await stream_states(js, shards | set(targets))
     report = TrimReport()
-    floors: dict[str, int] = {}
-    for shard in sorted(shards & set(listed)):
-        floors[shard] = min(archived[shard] + 1, await _first_since(nc, api, shard, cutoff))
-        if purged := await _purge(nc, api, shard, floors[shard], listed[shard]):
-            report.streams.append(purged)
     hub = _Hub(js, nc, api, await open_bucket(js, BUCKET, replicas=config.replicas))
-    for target in targets.values():
-        state = listed.get(target.mirror)
-        if target.aggregate in floors and state is not None:
-            await _trim_mirror(hub, target, floors[target.aggregate], state, report)
-    log.info("hub_trimmed", messages=report.messages, streams=len(report.streams))
+    for shard in sorted(shards & set(listed)):
+        mirrors = [(t, listed[t.mirror]) for t in targets.values() if t.aggregate == shard]
+        mirrors = [(t, state) for t, state in mirrors if t.mirror in listed]
+        unsettled = [t.mirror for t, state in mirrors if state.deleted and await _unsettled(hub, t)]
+        if unsettled:
+            report.held_for_refill.extend(unsettled)
+            continue
+        floor = min(archived[shard] + 1, await _first_since(nc, api, shard, cutoff))
+        if purged := await _purge(nc, api, shard, floor, listed[shard]):
+            report.streams.append(purged)
+        for target, state in mirrors:
+            await _trim_mirror(hub, target, floor, state, report)
+    log.info(
+        "hub_trimmed",
+        messages=report.messages,
+        streams=len(report.streams),
+        held_for_refill=report.held_for_refill,
+    )
     return report
 
 
@@ -117,12 +127,7 @@ async def _trim_mirror(
     hub: _Hub, target: Target, aggregate_floor: int, state: Listed, report: TrimReport
 ) -> None:
     floor = await _mirror_floor(hub.nc, hub.api, target, aggregate_floor, state)
-    if floor is None or floor <= state.first:
-        return
-    if state.deleted and await _unsettled_below(hub, target, floor):
-        report.kept_for_refill.append(target.mirror)
-        return
-    if purged := await _purge(hub.nc, hub.api, target.mirror, floor, state):
+    if floor is not None and (purged := await _purge(hub.nc, hub.api, target.mirror, floor, state)):
         await _record_head(hub.kv, target, purged.first)
         report.streams.append(purged)
 
@@ -159,10 +164,11 @@ async def _source_lag(nc: Client, api: str, target: Target) -> int | None:
     return None
 
 
-async def _unsettled_below(hub: _Hub, target: Target, floor: int) -> bool:
-    """Whether the mirror skipped a sequence below `floor` that the refill has neither read
-    again, found in the aggregate, counted lost nor kept as pending."""
-    skipped = {s for s in await deleted_seqs(hub.nc, hub.api, target.mirror) if s < floor}
+async def _unsettled(hub: _Hub, target: Target) -> bool:
+    """Whether the mirror skipped a sequence that the refill has neither read again, found
+    in the aggregate, counted lost nor kept as pending: it may be in the aggregate, where
+    the refill must find it before it is trimmed, or it would be read again."""
+    skipped = await deleted_seqs(hub.nc, hub.api, target.mirror)
     if not skipped:
         return False
     record = await _record(hub.kv, target)
