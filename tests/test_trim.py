@@ -4,7 +4,11 @@ trim must take only what is archived, and a restarted hub must not source it aga
 
 from __future__ import annotations
 
+import asyncio
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from pyspark.sql import SparkSession
@@ -12,6 +16,7 @@ from pyspark.sql import SparkSession
 from hub_ingest.archive import maintenance
 from hub_ingest.archive.audit import audit_archive
 from hub_ingest.fleet.gaps import read_gaps
+from hub_ingest.local.fleet import write_hub_toml
 from tests.support.cluster import Device, Hub
 from tests.support.ingest import ingest_config, run_once
 from tests.support.waiting import eventually
@@ -33,7 +38,9 @@ async def _last_is(hub: Hub, stream: str, seq: int) -> bool:
 
 
 @pytest.mark.spark
-async def test_the_hub_keeps_only_what_is_not_archived(hub: Hub, spark: SparkSession) -> None:
+async def test_the_hub_keeps_only_what_is_not_archived(
+    hub: Hub, spark: SparkSession, tmp_path: Path
+) -> None:
     a = await hub.device("a", heartbeat_interval="1h")
     await _publish(hub, a, 1, 50)
     mirror = await hub.mirror("a")
@@ -44,8 +51,11 @@ async def test_the_hub_keeps_only_what_is_not_archived(hub: Hub, spark: SparkSes
 
     await run_once(spark, config)
     await _publish(hub, a, 51, 10)  # not archived yet
-    kept_a_day = await maintenance.trim(ingest_config(hub))  # keep_on_hub: 24 h
-    assert kept_a_day.messages == 0, kept_a_day
+    toml = write_hub_toml(ingest_config(hub), tmp_path / "hub.toml")  # keep_on_hub: 1 day
+    trim = [sys.executable, "-m", "hub_ingest", "trim", "--json", "--config", str(toml)]
+    kept_a_day = await asyncio.to_thread(subprocess.run, trim, capture_output=True, text=True)
+    assert kept_a_day.returncode == 0, kept_a_day.stderr
+    assert json.loads(kept_a_day.stdout)["messages"] == 0, kept_a_day.stdout
 
     trimmed = await maintenance.trim(config)
     by_stream = {t.stream: t for t in trimmed.streams}

@@ -70,8 +70,10 @@ async def _trim(config: HubConfig, args: argparse.Namespace) -> int:
         print(f"{trimmed.stream}: {trimmed.messages} messages purged, first now {trimmed.first}")
     for mirror in report.held_for_refill:
         print(f"{mirror}: skipped a range the refill has not settled; its shard is kept whole")
+    for shard in report.failed:
+        print(f"{shard}: not trimmed, a request failed (hub-ingest's log says which)")
     print(f"{report.messages} messages purged from {len(report.streams)} streams")
-    return 0
+    return 1 if report.failed else 0
 
 
 def _date(text: str) -> date:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import nats.errors
 import structlog
 from nats.aio.client import Client
 from nats.js import JetStreamContext
@@ -64,6 +65,7 @@ class Trimmed:
 class TrimReport:
     streams: list[Trimmed] = field(default_factory=list)
     held_for_refill: list[str] = field(default_factory=list)  # mirrors that held their shard
+    failed: list[str] = field(default_factory=list)  # shards a request failed for
 
     @property
     def messages(self) -> int:
@@ -74,6 +76,7 @@ class TrimReport:
             "messages": self.messages,
             "streams": [dataclasses.asdict(t) for t in self.streams],
             "held_for_refill": self.held_for_refill,
+            "failed": self.failed,
         }
 
 
@@ -95,24 +98,47 @@ async def trim_hub(
     report = TrimReport()
     hub = _Hub(js, nc, api, await open_bucket(js, BUCKET, replicas=config.replicas))
     for shard in sorted(shards & set(listed)):
-        mirrors = [(t, listed[t.mirror]) for t in targets.values() if t.aggregate == shard]
-        mirrors = [(t, state) for t, state in mirrors if t.mirror in listed]
-        unsettled = [t.mirror for t, state in mirrors if state.deleted and await _unsettled(hub, t)]
-        if unsettled:
-            report.held_for_refill.extend(unsettled)
-            continue
+        mirrors = [
+            (t, listed[t.mirror])
+            for t in targets.values()
+            if t.aggregate == shard and t.mirror in listed
+        ]
         floor = min(archived[shard] + 1, await _first_since(nc, api, shard, cutoff))
-        if purged := await _purge(nc, api, shard, floor, listed[shard]):
-            report.streams.append(purged)
-        for target, state in mirrors:
-            await _trim_mirror(hub, target, floor, state, report)
+        try:
+            await _trim_shard(
+                hub, shard, listed[shard], floor=floor, mirrors=mirrors, report=report
+            )
+        except (nats.errors.Error, TimeoutError) as exc:
+            # A node that holds some of its mirrors is down: the next run trims them.
+            log.warning("hub_trim_failed", stream=shard, error=repr(exc))
+            report.failed.append(shard)
     log.info(
         "hub_trimmed",
         messages=report.messages,
         streams=len(report.streams),
         held_for_refill=report.held_for_refill,
+        failed=report.failed,
     )
     return report
+
+
+async def _trim_shard(
+    hub: _Hub,
+    shard: str,
+    state: Listed,
+    *,
+    floor: int,
+    mirrors: list[tuple[Target, Listed]],
+    report: TrimReport,
+) -> None:
+    unsettled = [t.mirror for t, s in mirrors if s.deleted and await _unsettled(hub, t)]
+    if unsettled:
+        report.held_for_refill.extend(unsettled)
+        return
+    if purged := await _purge(hub.nc, hub.api, shard, floor, state):
+        report.streams.append(purged)
+    for target, mirror_state in mirrors:
+        await _trim_mirror(hub, target, floor, mirror_state, report)
 
 
 @dataclass(frozen=True, slots=True)
