@@ -9,7 +9,7 @@ fresh read) when the ingest added files to that day meanwhile.
 no kept snapshot lists any more (and files of killed writes, once that old): a reader that
 planned a scan on an older snapshot keeps its files for that long.
 
-`trim` purges what the archive holds from the hub's telemetry (`hub_ingest.fleet.trim`).
+`trim` purges what the archive holds from the hub's streams (`hub_ingest.fleet.trim`).
 
 `relocate` adopts a copied or moved archive: Iceberg records absolute file paths, so the
 copy's catalog is pointed at a new table over the copy's own files (its history starts at
@@ -35,9 +35,12 @@ from tenacity import retry, retry_if_exception_type, stop_after_attempt
 
 from hub_ingest.archive import table
 from hub_ingest.archive.table import DATA_DIR, PARTITION_COLUMN
+from hub_ingest.commands.index import CommandIndex
+from hub_ingest.commands.send import event_streams
 from hub_ingest.core.config import HubConfig, IngestConfig
 from hub_ingest.core.connect import hub_connection
 from hub_ingest.core.errors import ArchiveError
+from hub_ingest.fleet.registry import Registry
 from hub_ingest.fleet.trim import TrimReport, trim_hub
 
 log = structlog.get_logger(__name__)
@@ -216,9 +219,13 @@ def relocate(config: IngestConfig) -> int:
 
 
 async def trim(config: HubConfig) -> TrimReport:
-    """Purge from the hub's telemetry what the archive holds and is older than
+    """Purge from the hub's streams what the archive holds and is older than
     ``ingest.keep_on_hub``; nothing before the first batch is archived."""
     archive = table.load(config.ingest)
     archived = table.archived(archive) if archive is not None else {}
     async with hub_connection(config, name="hub-ingest-trim") as nc:
-        return await trim_hub(nc.jetstream(domain=config.nats.domain), nc, config, archived)
+        js = nc.jetstream(domain=config.nats.domain)
+        # Every command result counted before an events shard loses it.
+        index = await CommandIndex.open(js, config.replicas)
+        await index.catch_up(event_streams(await (await Registry.open(js)).list()), commands=False)
+        return await trim_hub(js, nc, config, archived)

@@ -1,6 +1,6 @@
 """The hub's key-value buckets (the registry, the command index, the gaps, the admission
-figures, the admitted links) as the server stores them: one definition of their names and of
-how each is made."""
+figures, the admitted links, the devices' latest events) as the server stores them: one
+definition of their names and of how each is made."""
 
 from __future__ import annotations
 
@@ -15,9 +15,10 @@ COMMAND_INDEX = "FLEET_COMMAND_INDEX"  # hub_ingest.commands.index
 GAPS = "FLEET_GAPS"  # hub_ingest.fleet.refill
 ADMISSION = "FLEET_ADMISSION"  # hub_ingest.fleet.admission_figures
 LINKS = "FLEET_LINKS"  # hub_ingest.fleet.cutoff
+LATEST = "FLEET_LATEST"  # hub_ingest.fleet.latest
 # The buckets `provision` makes, with every node up, and whether each answers direct gets
 # (the registry is made by whoever opens it first, `hub_ingest.fleet.registry`).
-PROVISIONED = {COMMAND_INDEX: True, GAPS: False, ADMISSION: False, LINKS: False}
+PROVISIONED = {COMMAND_INDEX: True, GAPS: False, ADMISSION: False, LINKS: False, LATEST: True}
 
 
 async def open_bucket(

@@ -41,11 +41,11 @@ from edge_agent.protocol.release import (
     ROLLOUT_KEY,
     UpdateState,
     desired_key,
-    update_subject,
 )
 from edge_agent.protocol.units import format_time, parse_time, utc_now_iso
 from hub_ingest.core.config import HubConfig
 from hub_ingest.core.errors import RegistryError, RolloutError
+from hub_ingest.fleet.latest import heartbeat_subject, latest, update_report_subject
 from hub_ingest.fleet.registry import Device, Registry
 from hub_ingest.fleet.releases import get_record, rollout_bucket
 from hub_ingest.fleet.streams import AGGREGATES
@@ -295,9 +295,9 @@ async def _report(
     if device is None or batch >= rollout.opened:
         return DeviceReport(device_id, batch, WAITING if device else REMOVED)
     stream = _EVENTS.stream_name(device.shard)
-    last = await _last(js, stream, f"fleet.{device_id}.{update_subject(device_id)}")
+    last = await _last(js, stream, update_report_subject(device_id))
     if last is None or last.get("version") != rollout.version:
-        heartbeat = await _last(js, stream, f"fleet.{device_id}.evt.{device_id}.heartbeat")
+        heartbeat = await _last(js, stream, heartbeat_subject(device_id))
         return DeviceReport(device_id, batch, PENDING, last_seen=sent_at(heartbeat))
     return DeviceReport(
         device_id,
@@ -310,18 +310,23 @@ async def _report(
 
 
 async def _last(js: JetStreamContext, stream: str, subject: str) -> dict[str, Any] | None:
-    """The body of the last message on `subject`, with ``stored_at``: when it reached `stream`."""
+    """The body of the last message on `subject` (or the one the trim kept of it), with
+    ``stored_at``: when it reached `stream`."""
     try:
         msg = await js.get_last_msg(stream, subject)
+        data, stored_at = msg.data, msg.time.isoformat() if msg.time else None
     except NotFoundError:
-        return None
+        kept = (await latest(js, [subject])).get(subject)
+        if kept is None:
+            return None
+        data, stored_at = kept.data, kept.time
     try:
-        body = json.loads(msg.data or b"")
+        body = json.loads(data or b"")
     except ValueError:
         return None
     if not isinstance(body, dict):
         return None
-    return {**body, "stored_at": msg.time.isoformat() if msg.time else None}
+    return {**body, "stored_at": stored_at}
 
 
 def sent_at(heartbeat: dict[str, Any] | None) -> str | None:

@@ -1,23 +1,25 @@
-"""The hub's telemetry trimmed of what the archive holds: the aggregates and the hub mirrors
+"""The hub's streams trimmed of what the archive holds: the aggregates and the hub mirrors
 are a buffer in front of it, and without a trim every hub's store fills in time
 (docs/operations.md, "The hub's store fills").
 
-After each ``run --once``, and on ``hub-ingest trim``, each ``FLEET_TELEMETRY`` shard loses
-its rows below the first one that is either not archived yet (the table's
+After each ``run --once``, and on ``hub-ingest trim``, each aggregate shard loses its rows
+below the first one that is either not archived yet (the table's
 ``hub-ingest.archived.<stream>``) or younger than ``ingest.keep_on_hub``, and each hub mirror
 it sources loses its rows below the first one the shard still holds (a mirror's rows are in
 order there) or, when the shard holds none of it, below what the shard has not sourced yet.
-A shard and its mirrors are left whole while one of them has a skipped sequence that the
-refill has not settled: the refill finds it by the mirror's deleted sequences, and looks for
-it in the shard before it reads it from the island again (a row trimmed there would be read
-again, and archived twice). Purging a stream's head leaves
-its sources where they stand (nats-server keeps their state through a purge), and a trimmed
-mirror's new first sequence is written in its ``FLEET_GAPS`` record so that the refill does
-not take it for a skipped head.
 
-Not trimmed: ``FLEET_EVENTS`` and its mirrors, since ``report`` and the rollouts read each
-device's last heartbeat there, however old; ``FLEET_REFILL``, whose subjects make a refill
-happen once.
+- A shard and its mirrors are left whole while one of them has a skipped sequence that the
+  refill has not settled: the refill finds it by the mirror's deleted sequences, and looks for
+  it in the shard before it reads it from the island again (a row trimmed there would be read
+  again, and archived twice).
+- Purging a stream's head leaves its sources where they stand (nats-server keeps their state
+  through a purge), and a trimmed mirror's new first sequence is written in its
+  ``FLEET_GAPS`` record so that the refill does not take it for a skipped head.
+- Before an events shard is purged, each device's latest heartbeat and update report in what
+  goes are kept (`hub_ingest.fleet.latest`); the command index reads its results first
+  (`hub_ingest.archive.maintenance.trim`).
+
+Not trimmed: ``FLEET_REFILL``, whose subjects make a refill happen once.
 """
 
 from __future__ import annotations
@@ -42,14 +44,15 @@ from hub_ingest.core.config import HubConfig
 from hub_ingest.core.replies import direct_get
 from hub_ingest.fleet.aggregate_rows import sourced_row
 from hub_ingest.fleet.gaps import BUCKET, MirrorGaps, Target, expand, refilled_seqs
+from hub_ingest.fleet.latest import keep_latest
 from hub_ingest.fleet.provision import mirror_targets
-from hub_ingest.fleet.registry import Registry
+from hub_ingest.fleet.registry import Device, Registry
 from hub_ingest.fleet.requests import Listed, deleted_seqs, stream_states
-from hub_ingest.fleet.streams import AGGREGATES
+from hub_ingest.fleet.streams import AGGREGATES, shard_of
 
 log = structlog.get_logger(__name__)
 
-TRIMMED = AGGREGATES[0]  # FLEET_TELEMETRY's shards
+_EVENTS = AGGREGATES[1]
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,15 +91,22 @@ async def trim_hub(
     now: datetime | None = None,
 ) -> TrimReport:
     """Purge what `archived` (aggregate stream → highest archived hub sequence) holds and is
-    older than ``ingest.keep_on_hub`` from the telemetry shards and their hub mirrors."""
+    older than ``ingest.keep_on_hub`` from the aggregate shards and their hub mirrors."""
     api = js_api(config.nats.domain)
     cutoff = (now or datetime.now(UTC)) - timedelta(seconds=config.ingest.keep_on_hub)
-    targets = mirror_targets(await (await Registry.open(js)).list())
-    base = TRIMMED.base_name
-    shards = {name for name in archived if name == base or name.startswith(f"{base}_")}
+    devices = await (await Registry.open(js)).list()
+    targets = mirror_targets(devices)
+    shards = {name for name in archived if shard_of(name)}
     listed = await stream_states(js, shards | set(targets))
     report = TrimReport()
-    hub = _Hub(js, nc, api, await open_bucket(js, BUCKET, replicas=config.replicas))
+    hub = _Hub(
+        js,
+        nc,
+        api,
+        await open_bucket(js, BUCKET, replicas=config.replicas),
+        devices,
+        config.replicas,
+    )
     for shard in sorted(shards & set(listed)):
         mirrors = [
             (t, listed[t.mirror])
@@ -135,6 +145,11 @@ async def _trim_shard(
     if unsettled:
         report.held_for_refill.extend(unsettled)
         return
+    if shard.startswith(_EVENTS.base_name):
+        devices = [d for d in hub.devices if _EVENTS.stream_name(d.shard) == shard]
+        await keep_latest(
+            hub.js, shard, below=min(floor, state.last + 1), devices=devices, replicas=hub.replicas
+        )
     if purged := await _purge(hub.nc, hub.api, shard, floor, state):
         report.streams.append(purged)
     for target, mirror_state in mirrors:
@@ -147,6 +162,8 @@ class _Hub:
     nc: Client
     api: str
     kv: KeyValue  # FLEET_GAPS
+    devices: list[Device]
+    replicas: int  # of the buckets it makes
 
 
 async def _trim_mirror(

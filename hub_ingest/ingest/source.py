@@ -69,6 +69,7 @@ from hub_ingest.archive.columns import (
 )
 from hub_ingest.core import failpoints
 from hub_ingest.core.errors import ConfigError, DataLossError, IngestError
+from hub_ingest.fleet.latest import heartbeat_subject
 from hub_ingest.ingest.wire import FrameClient, connect, consume_range, get_headers
 
 log = structlog.get_logger(__name__)
@@ -389,7 +390,7 @@ async def _clock_offsets(nc: FrameClient, api: str, stream: str, device_id: pa.A
     devices = pc.unique(device_id.drop_null()).to_pylist()
     offsets: list[float | None] = []
     for device in devices:
-        request = {"last_by_subj": f"fleet.{device}.evt.{device}.heartbeat"}
+        request = {"last_by_subj": heartbeat_subject(device)}
         reply = await nc.request(f"{api}.DIRECT.GET.{events}", json.dumps(request).encode())
         try:
             beat = json.loads(reply.data) if reply.data else {}

@@ -46,6 +46,7 @@ from hub_ingest.fleet.admission_figures import (
     shared_devices,
 )
 from hub_ingest.fleet.gaps import MirrorGaps, read_gaps
+from hub_ingest.fleet.latest import heartbeat_subject
 from hub_ingest.fleet.registry import Device
 from hub_ingest.fleet.streams import AGGREGATES, mirror_name, stream_list
 from hub_ingest.report.flags import device_flags, gap_warnings, hub_gaps, refusal_warnings
@@ -55,7 +56,6 @@ from hub_ingest.report.heartbeats import (
     beat_figure,
     beat_uplinks,
     heartbeat_forgeries,
-    heartbeat_subject,
     last_heartbeats,
     readings_dropped,
 )
@@ -374,7 +374,7 @@ async def start_report(
     for name in event_streams:
         await heartbeat_forgeries(api, name, forged)
 
-    heartbeats = await last_heartbeats(api, infos, devices)
+    heartbeats = await last_heartbeats(js, api, infos, devices)
     gaps = await read_gaps(js)
     tallies = await _tallies(api, devices)
     admission: list[AdmissionFigures] = []

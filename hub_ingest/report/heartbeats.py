@@ -7,8 +7,11 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from nats.js import JetStreamContext
+
 from edge_agent.protocol.pack import READINGS
 from hub_ingest.commands.attribution import Attribution, attribute
+from hub_ingest.fleet.latest import heartbeat_subject, latest
 from hub_ingest.fleet.registry import Device
 from hub_ingest.fleet.streams import AGGREGATES
 from hub_ingest.report.hub import HubApi, Stored
@@ -78,14 +81,11 @@ async def heartbeat_forgeries(api: HubApi, stream: str, forged: Forgeries) -> No
             forged.note(sender, int(count))
 
 
-def heartbeat_subject(device_id: str) -> str:
-    return f"{EVENTS.subject_prefix(device_id)}.{device_id}.heartbeat"
-
-
 async def last_heartbeats(
-    api: HubApi, infos: Mapping[str, Any], devices: Iterable[Device]
+    js: JetStreamContext, api: HubApi, infos: Mapping[str, Any], devices: Iterable[Device]
 ) -> dict[str, Stored]:
-    """The last heartbeat of each of `devices`, by subject, read per events aggregate."""
+    """The last heartbeat of each of `devices`, by subject, read per events aggregate; of a
+    device whose last one the trim took from its aggregate, the one it kept."""
     subjects: dict[str, list[str]] = {}
     for device in devices:
         subjects.setdefault(EVENTS.stream_name(device.shard), []).append(
@@ -95,4 +95,6 @@ async def last_heartbeats(
     for stream, wanted in subjects.items():
         if infos.get(stream):
             found |= await api.last_messages(stream, wanted)
-    return found
+    missing = [s for wanted in subjects.values() for s in wanted if s not in found]
+    kept = await latest(js, missing) if missing else {}
+    return found | {s: Stored(k.seq, k.subject, k.time, k.data) for s, k in kept.items()}
