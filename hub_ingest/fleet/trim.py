@@ -152,8 +152,10 @@ async def _trim_shard(
         )
     if purged := await _purge(hub.nc, hub.api, shard, floor, state):
         report.streams.append(purged)
+    lags = await _source_lags(hub.nc, hub.api, shard)
     for target, mirror_state in mirrors:
-        await _trim_mirror(hub, target, floor, mirror_state, report)
+        if purged := await _trim_mirror(hub, target, floor, mirror_state, lags):
+            report.streams.append(purged)
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,12 +169,19 @@ class _Hub:
 
 
 async def _trim_mirror(
-    hub: _Hub, target: Target, aggregate_floor: int, state: Listed, report: TrimReport
-) -> None:
-    floor = await _mirror_floor(hub.nc, hub.api, target, aggregate_floor, state)
-    if floor is not None and (purged := await _purge(hub.nc, hub.api, target.mirror, floor, state)):
-        await _record_head(hub.kv, target, purged.first)
-        report.streams.append(purged)
+    hub: _Hub, target: Target, aggregate_floor: int, state: Listed, lags: Mapping[str, int]
+) -> Trimmed | None:
+    if state.first > state.last:
+        return None  # empty
+    floor = await sourced_row(hub.nc, hub.api, target, aggregate_floor)
+    if floor is None and target.mirror in lags:
+        # The aggregate holds none of the mirror's rows from its floor on: all it sourced is
+        # below it. The mirror's last sequence was listed before the lags, so this errs low.
+        floor = state.last - lags[target.mirror] + 1
+    if floor is None or not (purged := await _purge(hub.nc, hub.api, target.mirror, floor, state)):
+        return None
+    await _record_head(hub.kv, target, purged.first)
+    return purged
 
 
 async def _first_since(nc: Client, api: str, stream: str, since: datetime) -> int:
@@ -185,26 +194,14 @@ async def _first_since(nc: Client, api: str, stream: str, since: datetime) -> in
     return 2**63
 
 
-async def _mirror_floor(
-    nc: Client, api: str, target: Target, aggregate_floor: int, state: Listed
-) -> int | None:
-    """The first sequence of `target`'s mirror whose row the aggregate has not trimmed (at
-    or after `aggregate_floor`), or has not sourced; None when that cannot be told."""
-    found = await sourced_row(nc, api, target, aggregate_floor)
-    if found is not None:
-        return found
-    # The aggregate holds none of the mirror's rows from the floor on: all it sourced is
-    # below it. The mirror's last sequence was read before the lag, so this errs low.
-    lag = await _source_lag(nc, api, target)
-    return None if lag is None else state.last - lag + 1
-
-
-async def _source_lag(nc: Client, api: str, target: Target) -> int | None:
-    reply = await nc.request(f"{api}.STREAM.INFO.{target.aggregate}", b"", timeout=10)
-    for source in json.loads(reply.data).get("sources") or []:
-        if source.get("name") == target.mirror and source.get("error") is None:
-            return int(source.get("lag", 0))
-    return None
+async def _source_lags(nc: Client, api: str, aggregate: str) -> dict[str, int]:
+    """How far behind each of `aggregate`'s sources it is, of those that work."""
+    reply = await nc.request(f"{api}.STREAM.INFO.{aggregate}", b"", timeout=10)
+    return {
+        str(source["name"]): int(source.get("lag", 0))
+        for source in json.loads(reply.data).get("sources") or []
+        if source.get("error") is None
+    }
 
 
 async def _unsettled(hub: _Hub, target: Target) -> bool:
