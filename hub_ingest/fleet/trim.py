@@ -113,8 +113,8 @@ async def trim_hub(
             for t in targets.values()
             if t.aggregate == shard and t.mirror in listed
         ]
-        floor = min(archived[shard] + 1, await _first_since(nc, api, shard, cutoff))
         try:
+            floor = min(archived[shard] + 1, await _first_since(nc, api, shard, cutoff))
             await _trim_shard(
                 hub, shard, listed[shard], floor=floor, mirrors=mirrors, report=report
             )
