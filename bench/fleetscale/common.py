@@ -38,7 +38,7 @@ API_TIMEOUT = 30.0  # for the bench's JetStream requests to the hub (default 5 s
 TICKS = os.sysconf("SC_CLK_TCK")
 FRESH = {TELEMETRY: "tele.bench.fresh", EVENTS: "evt.bench.fresh"}
 METRICS: tuple[str, ...] = ("enrol", "attach", "pass", "ready", "fanout", "rss", "fds", "cpu")
-METRICS += ("rest_fds", "report", "status", "raft", "add", "resume")
+METRICS += ("rest_fds", "report", "status", "raft", "add", "resume", "trim")
 # Per device, in these units: the slope of what is measured against the fleet's size.
 SLOPES = {
     "enrol": ("enrol_total", "s"),

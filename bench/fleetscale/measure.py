@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import os
 import statistics
 import time
@@ -35,6 +36,8 @@ from hub_ingest.commands.send import command_status, new_envelope, send
 from hub_ingest.fleet.admission_figures import read_figures, shared_devices
 from hub_ingest.fleet.enrol import Enrolment, enrol, enrol_many
 from hub_ingest.fleet.registry import Registry
+from hub_ingest.fleet.streams import aggregate_stream_names
+from hub_ingest.fleet.trim import trim_hub
 from hub_ingest.local.fleet import start_local_hub
 from hub_ingest.report.collect import collect_report
 from tests.support.cluster import Hub, start_hub
@@ -199,6 +202,25 @@ async def measure_size(fleet: Fleet, row: dict[str, float], args: argparse.Names
     # redials must not look like that. Its figures are written every 10 s, within the resume.
     figures = await read_figures(fleet.hub.js)
     row["shared"] = len(shared_devices(figures, datetime.now(UTC)))
+    # Last, as it empties the hub's streams: all taken for archived, as after an ingest that
+    # kept up. What it costs is a look at each mirror and a purge of each stream.
+    row["trim"] = await tried_twice(partial(trim_everything, fleet), f"{mode} trim", nan)
+
+
+async def trim_everything(fleet: Fleet) -> float:
+    """Seconds `trim_hub` takes to purge every aggregate and mirror of what they hold."""
+    hub = fleet.hub
+    config = dataclasses.replace(
+        hub.config, ingest=dataclasses.replace(hub.config.ingest, keep_on_hub=0.0)
+    )
+    shards = await aggregate_stream_names(hub.js)
+    archived = {name: (await hub.js.stream_info(name)).state.last_seq for name in shards}
+    start = time.monotonic()
+    trimmed = await trim_hub(hub.js, hub.nc, config, archived)
+    seconds = time.monotonic() - start
+    streams = len(trimmed.streams)
+    print(f"trim: {trimmed.messages} messages, {streams} streams, {seconds:.2f} s", flush=True)
+    return seconds
 
 
 async def enrol_costs(root: Path, n: int) -> tuple[float, float]:

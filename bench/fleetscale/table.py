@@ -95,5 +95,6 @@ def summarise(results: dict[str, list[dict[str, float]]], args: argparse.Namespa
         f"provision_pass_s={last['pass']:.2f} hub_rss_mb={last['rss']:.0f} "
         f"status_s={last['status']:.3f} restart_up_s={last['up']:.1f} "
         f"restart_down_s={last['down']:.1f} hub_fds={last['fds']:.0f} "
-        f"keys_shared={last['shared']:.0f}{extra}"
+        f"keys_shared={last['shared']:.0f} "
+        f"trim_ms_per_device={last['trim'] * 1000 / devices:.2f}{extra}"
     )

@@ -41,6 +41,7 @@ from nats.js.kv import KeyValue
 from edge_agent.protocol.names import js_api
 from hub_ingest.core.buckets import open_bucket
 from hub_ingest.core.config import HubConfig
+from hub_ingest.core.gather import REQUESTS_AT_ONCE, gather_bounded
 from hub_ingest.core.replies import direct_get
 from hub_ingest.fleet.aggregate_rows import sourced_row
 from hub_ingest.fleet.gaps import BUCKET, MirrorGaps, Target, expand, refilled_seqs
@@ -141,7 +142,9 @@ async def _trim_shard(
     mirrors: list[tuple[Target, Listed]],
     report: TrimReport,
 ) -> None:
-    unsettled = [t.mirror for t, s in mirrors if s.deleted and await _unsettled(hub, t)]
+    skipped = [t for t, s in mirrors if s.deleted]
+    found = await gather_bounded((_unsettled(hub, t) for t in skipped), REQUESTS_AT_ONCE)
+    unsettled = [t.mirror for t, unsettled in zip(skipped, found, strict=True) if unsettled]
     if unsettled:
         report.held_for_refill.extend(unsettled)
         return
@@ -153,9 +156,8 @@ async def _trim_shard(
     if purged := await _purge(hub.nc, hub.api, shard, floor, state):
         report.streams.append(purged)
     lags = await _source_lags(hub.nc, hub.api, shard)
-    for target, mirror_state in mirrors:
-        if purged := await _trim_mirror(hub, target, floor, mirror_state, lags):
-            report.streams.append(purged)
+    trims = (_trim_mirror(hub, target, floor, state, lags) for target, state in mirrors)
+    report.streams.extend(t for t in await gather_bounded(trims, REQUESTS_AT_ONCE) if t)
 
 
 @dataclass(frozen=True, slots=True)
