@@ -80,6 +80,11 @@ async def test_the_hub_keeps_only_what_is_not_archived(
     record = (await read_gaps(hub.js)).get(mirror)
     assert record is not None and record.head == 51, record
     assert (record.refilled, record.kept, record.lost, record.pending) == (0, [], {}, []), record
+    # Nor does `report` take the trimmed heads for skips.
+    report = [*trim[:3], "report", "--json", "--silent-after", "1d", "--config", str(toml)]
+    run = await asyncio.to_thread(subprocess.run, report, capture_output=True, text=True)
+    doc = json.loads(run.stdout)
+    assert (doc["warnings"], [d["flags"] for d in doc["devices"]]) == ([], [[]]), doc
 
 
 async def _holds(hub: Hub, stream: str, count: int) -> bool:
