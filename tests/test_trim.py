@@ -8,6 +8,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from pyspark.sql import SparkSession
 from hub_ingest.archive import maintenance
 from hub_ingest.archive.audit import audit_archive
 from hub_ingest.fleet.gaps import read_gaps
+from hub_ingest.ingest.job import ingest
 from hub_ingest.local.fleet import write_hub_toml
 from tests.support.cluster import Device, Hub
 from tests.support.ingest import ingest_config, run_once
@@ -151,3 +153,25 @@ async def test_a_silent_device_keeps_its_last_heartbeat_through_a_trim(
     (device,) = json.loads(run.stdout)["devices"]
     assert device["last_heartbeat_at"] is not None, device
     assert "never_seen" not in device["flags"], device
+
+
+@pytest.mark.spark
+async def test_a_continuous_ingest_trims_as_it_goes(hub: Hub, spark: SparkSession) -> None:
+    a = await hub.device("a", heartbeat_interval="1h")
+    await _publish(hub, a, 1, 30)
+    config = ingest_config(hub, keep_on_hub=0.0, trigger_interval=1.0)
+    stop = threading.Event()
+    run = asyncio.ensure_future(asyncio.to_thread(ingest, spark, config, once=False, stop=stop))
+
+    async def trimmed() -> bool:
+        assert not run.done(), run
+        state = (await hub.js.stream_info(AGGREGATE)).state
+        return (state.first_seq, state.messages) == (31, 0)
+
+    try:
+        await eventually(trimmed, timeout=120, what="the aggregate trimmed as it is archived")
+    finally:
+        stop.set()
+        await run
+    (audit,) = [d for d in audit_archive(config.ingest).devices if d.hub_stream == AGGREGATE]
+    assert (audit.rows, audit.duplicates, audit.missing) == (30, 0, ()), audit

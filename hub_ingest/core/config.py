@@ -139,12 +139,11 @@ class IngestConfig:
     messages_per_partition: int
     fail_on_data_loss: bool
     payload_schema: str | None  # Spark DDL of JSON payloads, e.g. "temp DOUBLE, unit STRING"
-    # A device clock further than this from the hub's marks its rows' device_time suspect.
-    clock_tolerance: float = 120.0
+    clock_tolerance: float = 120.0  # a device clock further off marks device_time suspect
     compact_after_run: bool = False  # `run --once` compacts and expires when it is done
     keep_snapshots: float = 86400.0  # older snapshots are expired, their files deleted
     compact_file_size: int = 256 * 1024**2  # what `compact` aims at per file
-    trim_hub: bool = True  # `run --once` then trims the hub's telemetry (`fleet.trim`)
+    trim_hub: bool = True  # `run` trims the hub's streams of what it archived (`fleet.trim`)
     keep_on_hub: float = 86400.0  # what is archived but younger stays on the hub
 
 
@@ -299,9 +298,9 @@ def _parse(data: dict[str, Any], source: Path | None) -> HubConfig:
 
 
 def _table(value: object) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise ValueError(f"expected a table, got {value!r}")
-    return value
+    if isinstance(value, dict):
+        return value
+    raise ValueError(f"expected a table, got {value!r}")
 
 
 def _server(srv: Section, state_dir: Path, home: Path) -> ServerConfig:

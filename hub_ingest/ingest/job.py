@@ -23,8 +23,9 @@ The order of a micro-batch, each step once, each in one module:
 5. **maintain** (`run`, after a ``--once`` run with ``ingest.compact_after_run``; else
    ``hub-ingest compact``): compact small files and expire old snapshots
    (`archive.maintenance`); with ``ingest.trim_hub`` (the default; else ``hub-ingest
-   trim``), purge from the hub's telemetry what is archived and older than
-   ``ingest.keep_on_hub`` (`fleet.trim`).
+   trim``), purge from the hub's streams what is archived and older than
+   ``ingest.keep_on_hub`` (`fleet.trim`), after a ``--once`` run and every `trim_every`
+   of a continuous one.
 
 ``--once`` runs ``trigger(availableNow=True)``: everything in the streams when it starts, in
 batches of at most ``ingest.max_messages_per_trigger``, then exit (for a systemd timer).
@@ -44,6 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+import nats.errors
 import structlog
 from pyspark.errors import StreamingQueryException
 from pyspark.sql import DataFrame, SparkSession
@@ -53,7 +55,7 @@ from pyspark.sql.types import StructType
 
 from hub_ingest.archive import maintenance
 from hub_ingest.archive.table import PARTITION_COLUMN, is_local
-from hub_ingest.core.config import HubConfig
+from hub_ingest.core.config import HubConfig, IngestConfig
 from hub_ingest.core.connect import hub_connection
 from hub_ingest.core.errors import ConfigError, DataLossError, IngestError
 from hub_ingest.fleet.streams import aggregate_stream_names
@@ -64,6 +66,7 @@ from hub_ingest.ingest.source import FORMAT, SCHEMA, JetStreamDataSource
 log = structlog.get_logger(__name__)
 
 QUERY_NAME = "hub_ingest"
+TRIM_EVERY = 600.0  # seconds between the trims of a continuous run, at most
 _BASE_COLUMNS = {*(f.split(" ")[0] for f in SCHEMA.split(", ")), "ingested_at", PARTITION_COLUMN}
 # "nats.errors.NoServersError: nats: no servers available": a Python exception line in the
 # trace Spark carries over from the data source.
@@ -218,6 +221,7 @@ def ingest(
     batches: list[BatchProgress] = []
     last_trigger = ""
     lag = 0
+    trimmed = time.monotonic()
 
     def collect() -> None:
         nonlocal last_trigger, lag
@@ -234,6 +238,9 @@ def ingest(
         while query.isActive and not (stop is not None and stop.is_set()):
             query.awaitTermination(1)
             collect()
+            if not once and ing.trim_hub and time.monotonic() - trimmed >= trim_every(ing):
+                trim(config)
+                trimmed = time.monotonic()
             if progress is not None:
                 progress.write("\r" + _progress_line(spark, batches, started, lag) + "\033[K")
                 progress.flush()
@@ -251,6 +258,21 @@ def ingest(
     )
     log.info("ingest_finished", batches=len(batches), rows=summary.rows, seconds=summary.seconds)
     return summary
+
+
+def trim_every(ing: IngestConfig) -> float:
+    """Seconds between the trims of a continuous run: ten minutes, or a tenth of what the hub
+    keeps when that is shorter."""
+    return min(TRIM_EVERY, ing.keep_on_hub / 10)
+
+
+def trim(config: HubConfig) -> None:
+    """The hub's streams trimmed of what the archive holds (`maintenance.trim`); a failure is
+    logged, and the next trim tries again: the archive is whole either way."""
+    try:
+        asyncio.run(maintenance.trim(config))
+    except (nats.errors.Error, TimeoutError) as exc:
+        log.warning("hub_trim_failed", error=repr(exc))
 
 
 def _refuse_parquet_archive(archive: Path) -> None:
@@ -277,7 +299,7 @@ def run(config: HubConfig, *, once: bool, master: str | None, stop: threading.Ev
         if once and config.ingest.compact_after_run:
             maintenance.expire(config.ingest, maintenance.compact(config.ingest))
         if once and config.ingest.trim_hub:
-            asyncio.run(maintenance.trim(config))
+            trim(config)
     return 0
 
 

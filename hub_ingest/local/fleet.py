@@ -20,7 +20,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -123,9 +123,20 @@ def loopback_hub_config(
     )
 
 
+def _toml_values(section: Any) -> str:
+    """The fields of `section` that are set, as TOML lines (JSON writes TOML's strings,
+    numbers and booleans)."""
+    values = ((f.name, getattr(section, f.name)) for f in fields(section))
+    return "\n".join(
+        f"{name} = {json.dumps(str(v) if isinstance(v, Path) else v)}"
+        for name, v in values
+        if v is not None
+    )
+
+
 def write_hub_toml(config: HubConfig, path: Path) -> Path:
     """`config` as a hub.toml, for the ``hub-ingest`` commands."""
-    srv, ing = config.server, config.ingest
+    srv = config.server
     path.write_text(
         f"""state_dir = {json.dumps(str(config.state_dir))}
 [nats]
@@ -152,19 +163,7 @@ max_age = {config.commands.max_age}
 [aggregates]
 max_sources_per_stream = {config.aggregates.max_sources_per_stream}
 [ingest]
-archive = {json.dumps(str(ing.archive))}
-{f"catalog = {json.dumps(ing.catalog)}" if ing.catalog else ""}
-table = {json.dumps(ing.table)}
-compact_after_run = {json.dumps(ing.compact_after_run)}
-keep_snapshots = {ing.keep_snapshots}
-compact_file_size = {ing.compact_file_size}
-checkpoint = {json.dumps(str(ing.checkpoint))}
-max_messages_per_trigger = {ing.max_messages_per_trigger}
-trigger_interval = {ing.trigger_interval}
-messages_per_partition = {ing.messages_per_partition}
-fail_on_data_loss = {json.dumps(ing.fail_on_data_loss)}
-trim_hub = {json.dumps(ing.trim_hub)}
-keep_on_hub = {ing.keep_on_hub}
+{_toml_values(config.ingest)}
 """,
         encoding="utf-8",
     )
