@@ -42,7 +42,7 @@ def register(sub: Any) -> None:
     c.add_argument("--json", action="store_true")
     c.set_defaults(handler=_compact)
     t = sub.add_parser(
-        "trim", help="purge from the hub's telemetry what is archived and older than keep_on_hub"
+        "trim", help="purge from the hub's streams what is archived and older than keep_on_hub"
     )
     t.add_argument("--json", action="store_true")
     t.set_defaults(handler=lambda config, args: asyncio.run(_trim(config, args)))
@@ -65,7 +65,7 @@ async def _trim(config: HubConfig, args: argparse.Namespace) -> int:
     report = await maintenance.trim(config)
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
-        return 0
+        return 1 if report.failed else 0
     for trimmed in report.streams:
         print(f"{trimmed.stream}: {trimmed.messages} messages purged, first now {trimmed.first}")
     for mirror in report.held_for_refill:

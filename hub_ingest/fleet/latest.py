@@ -1,6 +1,6 @@
 """Each device's latest heartbeat and update report, kept when the trim takes them from
-``FLEET_EVENTS``: `report`, the rollouts and the ingest read a device's latest word there
-however old it is (a device silent for a week is "silent since", not "never seen").
+``FLEET_EVENTS``: `report` and the rollouts read a device's latest word there however old it
+is (a device silent for a week is "silent since", not "never seen").
 
 Before `hub_ingest.fleet.trim` purges an events shard below a sequence, the latest message on
 each such subject below it is copied into the ``FLEET_LATEST`` bucket, keyed by its subject;
