@@ -25,6 +25,7 @@ from nats.js.api import (
     StreamSource,
     SubjectTransform,
 )
+from nats.js.kv import KeyValue
 
 from edge_agent.protocol.pack import PACK_HEADER, pack_range
 from hub_ingest.core.buckets import GAPS, bucket_values
@@ -217,6 +218,19 @@ class Target:
     device: Device
     incarnation: Incarnation
     aggregate: str  # the aggregate stream that sources it
+
+
+async def read_record(kv: KeyValue, target: Target) -> MirrorGaps:
+    """`target`'s mirror's record in ``FLEET_GAPS`` (`kv`), or an empty one."""
+    try:
+        entry = await kv.get(target.mirror)
+    except nats.js.errors.KeyNotFoundError:
+        entry = None
+    if entry is not None and entry.value:
+        return MirrorGaps.from_json(entry.value)
+    return MirrorGaps(
+        target.mirror, target.device.device_id, target.incarnation.id, target.incarnation.stream
+    )
 
 
 async def refilled_seqs(js: JetStreamContext, mirror: str) -> set[int]:

@@ -50,7 +50,7 @@ import structlog
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.errors import APIError, KeyNotFoundError
+from nats.js.errors import APIError
 from nats.js.kv import KeyValue
 
 from edge_agent.protocol.names import INCARNATION, hub_consumer, js_api
@@ -67,6 +67,7 @@ from hub_ingest.fleet.gaps import (
     Target,
     expand,
     own_headers,
+    read_record,
     refill_subject,
     refilled_seqs,
     to_ranges,
@@ -382,15 +383,7 @@ class Refiller:
 
     async def _record(self, target: Target) -> MirrorGaps:
         assert self._kv is not None
-        try:
-            entry = await self._kv.get(target.mirror)
-        except KeyNotFoundError:
-            entry = None
-        if entry is not None and entry.value:
-            return MirrorGaps.from_json(entry.value)
-        return MirrorGaps(
-            target.mirror, target.device.device_id, target.incarnation.id, target.incarnation.stream
-        )
+        return await read_record(self._kv, target)
 
     async def _refill(
         self, target: Target, todo: list[int], island: Mapping[str, Any]

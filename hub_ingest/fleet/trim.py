@@ -35,7 +35,6 @@ import nats.errors
 import structlog
 from nats.aio.client import Client
 from nats.js import JetStreamContext
-from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 
 from edge_agent.protocol.names import js_api
@@ -44,7 +43,7 @@ from hub_ingest.core.config import HubConfig
 from hub_ingest.core.gather import REQUESTS_AT_ONCE, gather_bounded
 from hub_ingest.core.replies import direct_get
 from hub_ingest.fleet.aggregate_rows import sourced_row
-from hub_ingest.fleet.gaps import BUCKET, MirrorGaps, Target, expand, refilled_seqs
+from hub_ingest.fleet.gaps import BUCKET, Target, expand, read_record, refilled_seqs
 from hub_ingest.fleet.latest import keep_latest
 from hub_ingest.fleet.provision import mirror_targets
 from hub_ingest.fleet.registry import Device, Registry
@@ -213,7 +212,7 @@ async def _unsettled(hub: _Hub, target: Target) -> bool:
     skipped = await deleted_seqs(hub.nc, hub.api, target.mirror)
     if not skipped:
         return False
-    record = await _record(hub.kv, target)
+    record = await read_record(hub.kv, target)
     settled = await refilled_seqs(hub.js, target.mirror)
     settled |= expand(record.kept) | expand(record.pending)
     settled = settled.union(*(expand(r) for r in record.lost.values()))
@@ -235,20 +234,8 @@ async def _purge(nc: Client, api: str, stream: str, floor: int, state: Listed) -
     return Trimmed(stream, int(reply.get("purged", 0)), first)
 
 
-async def _record(kv: KeyValue, target: Target) -> MirrorGaps:
-    try:
-        entry = await kv.get(target.mirror)
-    except KeyNotFoundError:
-        entry = None
-    if entry is not None and entry.value:
-        return MirrorGaps.from_json(entry.value)
-    return MirrorGaps(
-        target.mirror, target.device.device_id, target.incarnation.id, target.incarnation.stream
-    )
-
-
 async def _record_head(kv: KeyValue, target: Target, first: int) -> None:
     """The refill compares a mirror's first sequence with its record's head: the same, it is
     not looked at as a head made again."""
-    record = await _record(kv, target)
+    record = await read_record(kv, target)
     await kv.put(target.mirror, dataclasses.replace(record, head=first).to_json())
