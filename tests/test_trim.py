@@ -12,10 +12,13 @@ import threading
 from pathlib import Path
 
 import pytest
+from nats.js.errors import NotFoundError
 from pyspark.sql import SparkSession
 
+from edge_agent.protocol.names import command_stream
 from hub_ingest.archive import maintenance
 from hub_ingest.archive.audit import audit_archive
+from hub_ingest.fleet.enrol import retire
 from hub_ingest.fleet.gaps import read_gaps
 from hub_ingest.ingest.job import ingest
 from hub_ingest.local.fleet import write_hub_toml
@@ -175,3 +178,48 @@ async def test_a_continuous_ingest_trims_as_it_goes(hub: Hub, spark: SparkSessio
         await run
     (audit,) = [d for d in audit_archive(config.ingest).devices if d.hub_stream == AGGREGATE]
     assert (audit.rows, audit.duplicates, audit.missing) == (30, 0, ()), audit
+
+
+@pytest.mark.spark
+async def test_a_removed_devices_streams_go_once_its_rows_are_archived(
+    hub: Hub, spark: SparkSession
+) -> None:
+    """A removed device's hub mirrors stayed for ever: a fleet that replaces devices over the
+    years would pay for every one it ever had. They go once the archive has their rows, and
+    not before (the ingest reads each row's store time and incarnation there)."""
+    a = await hub.device("a", heartbeat_interval="1h")
+    b = await hub.device("b", heartbeat_interval="1h")
+    await _publish(hub, a, 1, 10)
+    await _publish(hub, b, 1, 10)  # the aggregate's sequences 11..20
+    mirror = await hub.mirror("b")
+    config = ingest_config(hub, keep_on_hub=0.0)
+
+    change = await retire(hub.js, hub.config, "b")
+    assert change.unsourced == {}, change
+    # Nothing archived: b's mirrors are needed yet; its commands are not.
+    before = await maintenance.trim(config)
+    assert before.deleted == [command_stream("b")], before
+    assert await _exists(hub, mirror)
+
+    await run_once(spark, config)
+    trimmed = await maintenance.trim(config)
+    names = await hub.js.streams_info()
+    left = {s.config.name for s in names if "_b" in (s.config.name or "")}
+    assert mirror in trimmed.deleted, trimmed
+    assert left == set(), left
+    assert await _exists(hub, await hub.mirror("a"))
+    assert mirror not in await read_gaps(hub.js)
+    rows = {
+        d.device_id: d.rows
+        for d in audit_archive(config.ingest).devices
+        if d.hub_stream == AGGREGATE
+    }
+    assert rows == {"a": 10, "b": 10}, rows
+
+
+async def _exists(hub: Hub, stream: str) -> bool:
+    try:
+        await hub.js.stream_info(stream)
+    except NotFoundError:
+        return False
+    return True

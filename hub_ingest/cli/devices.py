@@ -22,6 +22,7 @@ from hub_ingest.core.connect import hub_connection, hub_jetstream
 from hub_ingest.core.errors import HubIngestError
 from hub_ingest.fleet.enrol import (
     BulkChange,
+    Change,
     Enrolled,
     Progress,
     enrol,
@@ -107,19 +108,29 @@ async def _device(config: HubConfig, args: argparse.Namespace) -> int:
                 print(f"credentials: {change.seed_file} (copy to the device; hub.credentials)")
         else:
             change = await retire(js, config, args.device_id)
-            print(f"removed {change.device.device_id}")
-            # nats-server keeps a linked leaf through a reload (docs/security.md).
-            print(
-                f"a link {change.device.device_id} holds now stays up until it drops; restart "
-                "the hub's nats-server to end it at once",
-                file=sys.stderr,
-            )
+            _print_removed(change)
         if not change.reloaded:
             print("reload the hub's nats-server to apply the new users file", file=sys.stderr)
         for result in change.streams:
             if result.change != "unchanged":
                 print(f"{result.name:<24} {result.change}")
     return 0
+
+
+def _print_removed(change: Change) -> None:
+    print(f"removed {change.device.device_id}")
+    for mirror, rows in change.unsourced.items():
+        print(
+            f"{mirror}: {rows} rows its shard had not sourced; they will not be archived "
+            "(its island still holds them)",
+            file=sys.stderr,
+        )
+    # nats-server keeps a linked leaf through a reload (docs/security.md).
+    print(
+        f"a link {change.device.device_id} holds now stays up until it drops; restart "
+        "the hub's nats-server to end it at once",
+        file=sys.stderr,
+    )
 
 
 def _read_lines(name: str) -> list[str]:

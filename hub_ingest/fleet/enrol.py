@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import base64
 import binascii
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import nkeys
@@ -41,8 +41,9 @@ from hub_ingest.fleet.auth import (
     write_secret,
 )
 from hub_ingest.fleet.clashes import check_names
-from hub_ingest.fleet.provision import provision
+from hub_ingest.fleet.provision import mirror_targets, provision
 from hub_ingest.fleet.registry import Device, Registry, assign_shards
+from hub_ingest.fleet.retired import drained
 
 log = structlog.get_logger(__name__)
 
@@ -58,6 +59,8 @@ class Change:
     # by other means. True too when it did not change (a device admitted by the callout).
     reloaded: bool
     streams: list[Reconciled]
+    # A removed device's rows its shard had not sourced when it stopped (never archived).
+    unsourced: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +86,8 @@ class BulkChange:
     present: tuple[Device, ...]  # already registered as asked: left as they were
     reloaded: bool
     streams: list[Reconciled]
+    # A removed device's rows its shard had not sourced when it stopped (never archived).
+    unsourced: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -315,6 +320,12 @@ async def retire(js: JetStreamContext, config: HubConfig, device_id: str) -> Cha
     device = await registry.remove(device_id)
     devices = await registry.list()
     reloaded = await reload_if_changed(config, write_auth(config, devices))
+    # What its hub mirrors hold is archived: their shard sources it before it stops (the
+    # mirrors stay until the archive has it, `hub_ingest.fleet.retired`).
+    mirrors = list(mirror_targets([device]).values())
+    unsourced = await drained(js, mirrors)
+    if unsourced:
+        log.warning("device_removed_unsourced", device_id=device_id, rows=unsourced)
     streams = await provision(js, config, devices)
     log.info("device_retired", device_id=device_id, reloaded=reloaded)
-    return Change(device, None, reloaded, streams)
+    return Change(device, None, reloaded, streams, unsourced)

@@ -133,8 +133,13 @@ class Listed:
 
 async def stream_states(js: JetStreamContext, names: set[str]) -> dict[str, Listed]:
     """The state of each of the streams `names` that exists (one paged ``STREAM.LIST``)."""
+    return states_of(await stream_list(js), names)
+
+
+def states_of(listed: list[dict[str, Any]], names: set[str]) -> dict[str, Listed]:
+    """The state of each of the streams `names` in `listed` (``STREAM.LIST`` entries)."""
     states: dict[str, Listed] = {}
-    for info in await stream_list(js):
+    for info in listed:
         name = (info.get("config") or {}).get("name", "")
         state = info.get("state") or {}
         if name in names:

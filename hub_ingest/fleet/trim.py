@@ -19,6 +19,9 @@ order there) or, when the shard holds none of it, below what the shard has not s
   goes are kept (`hub_ingest.fleet.latest`); the command index reads its results first
   (`hub_ingest.archive.maintenance.trim`).
 
+- A removed device's hub mirrors and ``CMD_<id>`` are deleted once the shards hold none of
+  its rows (`hub_ingest.fleet.retired`).
+
 Not trimmed: ``FLEET_REFILL``, whose subjects make a refill happen once.
 """
 
@@ -47,8 +50,9 @@ from hub_ingest.fleet.gaps import BUCKET, Target, expand, read_record, refilled_
 from hub_ingest.fleet.latest import keep_latest
 from hub_ingest.fleet.provision import mirror_targets
 from hub_ingest.fleet.registry import Device, Registry
-from hub_ingest.fleet.requests import Listed, deleted_seqs, stream_states
-from hub_ingest.fleet.streams import AGGREGATES, shard_of
+from hub_ingest.fleet.requests import Listed, deleted_seqs, states_of
+from hub_ingest.fleet.retired import delete_leftovers
+from hub_ingest.fleet.streams import AGGREGATES, shard_of, stream_list
 
 log = structlog.get_logger(__name__)
 
@@ -69,6 +73,7 @@ class TrimReport:
     streams: list[Trimmed] = field(default_factory=list)
     held_for_refill: list[str] = field(default_factory=list)  # mirrors that held their shard
     failed: list[str] = field(default_factory=list)  # shards a request failed for
+    deleted: list[str] = field(default_factory=list)  # removed devices' streams
 
     @property
     def messages(self) -> int:
@@ -80,6 +85,7 @@ class TrimReport:
             "streams": [dataclasses.asdict(t) for t in self.streams],
             "held_for_refill": self.held_for_refill,
             "failed": self.failed,
+            "deleted": self.deleted,
         }
 
 
@@ -97,7 +103,8 @@ async def trim_hub(
     devices = await (await Registry.open(js)).list()
     targets = mirror_targets(devices)
     shards = {name for name in archived if shard_of(name)}
-    listed = await stream_states(js, shards | set(targets))
+    every = await stream_list(js)
+    listed = states_of(every, shards | set(targets))
     report = TrimReport()
     hub = _Hub(
         js,
@@ -122,12 +129,18 @@ async def trim_hub(
             # A node that holds some of its mirrors is down: the next run trims them.
             log.warning("hub_trim_failed", stream=shard, error=repr(exc))
             report.failed.append(shard)
+    # After the shards: a removed device's mirror goes once they hold none of its rows.
+    try:
+        report.deleted = await delete_leftovers(js, nc, api, hub.kv, every)
+    except (nats.errors.Error, TimeoutError) as exc:
+        log.warning("removed_device_streams_kept", error=repr(exc))  # the next run, then
     log.info(
         "hub_trimmed",
         messages=report.messages,
         streams=len(report.streams),
         held_for_refill=report.held_for_refill,
         failed=report.failed,
+        deleted=len(report.deleted),
     )
     return report
 
