@@ -65,7 +65,7 @@ def _write_archive(config: IngestConfig, *tables: pa.Table) -> list[Path]:
         for stream in set(rows["hub_stream"].to_pylist()):
             mine = pc.filter(rows["hub_seq"], pc.equal(rows["hub_stream"], stream))
             seqs[stream] = max(seqs.get(stream, 0), pc.max(mine).as_py())
-    table.commit(archive, [f"file://{f}" for f in files], seqs, {})
+    table.commit(archive, [f"file://{f}" for f in files], seqs, {}, {})
     return files
 
 

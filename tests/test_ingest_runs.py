@@ -53,9 +53,9 @@ def test_a_commit_that_lost_a_race_archives_nothing_twice(tmp_path: Path) -> Non
     archive = table.create_or_evolve(config, schema)
     other = table.load(config)  # read before the first commit, as another run's batch did
     assert other is not None
-    table.commit(archive, [mine], {"FLEET_TELEMETRY": 3}, {})
+    table.commit(archive, [mine], {"FLEET_TELEMETRY": 3}, {}, {})
     with pytest.raises(ArchiveError, match="another hub-ingest run"):
-        table.commit(other, [theirs], {"FLEET_TELEMETRY": 2}, {})
+        table.commit(other, [theirs], {"FLEET_TELEMETRY": 2}, {}, {})
     assert table.archived(table.load(config) or other) == {"FLEET_TELEMETRY": 3}
     archived = table.read(config, ["hub_seq"])
     assert archived is not None and sorted(archived["hub_seq"].to_pylist()) == [1, 2, 3]

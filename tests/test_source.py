@@ -59,6 +59,17 @@ def test_partitions_are_sequence_ranges_and_limits_are_shared() -> None:
     assert limited.getDefaultReadLimit() == ReadMaxRows(7)
 
 
+def test_a_stream_made_anew_is_read_from_its_start() -> None:
+    """The offsets carry when each stream was made: one made since numbers from 1 again, and
+    the old stream's offset (30) would skip its rows up to there."""
+    reader = JetStreamReader(SourceOptions(("nats://x",), ("A", "B"), messages_per_partition=50))
+    start = {"A": 30, "B": 30, "made": {"A": "t0", "B": "t0"}}
+    end = {"A": 12, "B": 35, "made": {"A": "t1", "B": "t0"}}
+    assert reader.partitions(start, end) == [SeqRange("A", 1, 12), SeqRange("B", 31, 35)]
+    # Offsets from before streams' times were kept: read on from them.
+    assert reader.partitions({"A": 30}, {"A": 35, "made": {"A": "t1"}}) == [SeqRange("A", 31, 35)]
+
+
 def test_partitions_take_turns_across_streams_and_small_batches_feed_every_core() -> None:
     """Spark starts tasks in partition order: one range of each stream in turn, so that the
     running tasks read every aggregate stream; a batch too small to give each of

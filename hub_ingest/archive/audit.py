@@ -33,7 +33,7 @@ from hub_ingest.commands.send import attribute
 from hub_ingest.core.config import IngestConfig
 from hub_ingest.fleet.gaps import Healed, Ranges, expand
 from hub_ingest.fleet.registry import Refusal
-from hub_ingest.fleet.streams import AGGREGATES
+from hub_ingest.fleet.streams import AGGREGATES, made_now
 
 _HEARTBEAT = re.compile(r"^evt\.[^.]+\.heartbeat$")
 _KEY_COLUMNS = ["device_id", "incarnation", "hub_stream", "device_seq", "hub_seq"]
@@ -229,7 +229,8 @@ async def backlog(
 ) -> list[StreamBacklog]:
     """Per aggregate stream: how many of its messages the archive does not have yet."""
     current = table.load(config)
-    archived = table.archived(current) if current is not None else {}
+    made = await made_now(js, streams)
+    archived = table.archived(current, made) if current is not None else {}
     out = []
     for name in streams:
         state = (await js.stream_info(name)).state

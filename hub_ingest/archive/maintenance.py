@@ -41,6 +41,7 @@ from hub_ingest.core.config import HubConfig, IngestConfig
 from hub_ingest.core.connect import hub_connection
 from hub_ingest.core.errors import ArchiveError
 from hub_ingest.fleet.registry import Registry
+from hub_ingest.fleet.streams import aggregate_stream_names, made_now
 from hub_ingest.fleet.trim import TrimReport, trim_hub
 
 log = structlog.get_logger(__name__)
@@ -211,7 +212,7 @@ def relocate(config: IngestConfig) -> int:
     if cat.table_exists(staged):
         cat.drop_table(staged)  # an earlier relocation was killed half way
     new = table.create(config, staged, old.schema().as_arrow())
-    table.commit(new, files, table.archived(old), {RELOCATED: source})
+    table.commit(new, files, table.archived(old), {RELOCATED: source}, table.made_at(old))
     cat.drop_table(config.table)
     cat.rename_table(staged, config.table)
     log.info("archive_relocated", table=config.table, previous=source, location=target)
@@ -222,9 +223,11 @@ async def trim(config: HubConfig) -> TrimReport:
     """Purge from the hub's streams what the archive holds and is older than
     ``ingest.keep_on_hub``; nothing before the first batch is archived."""
     archive = table.load(config.ingest)
-    archived = table.archived(archive) if archive is not None else {}
     async with hub_connection(config, name="hub-ingest-trim") as nc:
         js = nc.jetstream(domain=config.nats.domain)
+        # Of a stream made anew since, nothing is archived, whatever its sequences.
+        made = await made_now(js, await aggregate_stream_names(js))
+        archived = table.archived(archive, made) if archive is not None else {}
         # Every command result counted before an events shard loses it.
         index = await CommandIndex.open(js, config.replicas)
         await index.catch_up(event_streams(await (await Registry.open(js)).list()), commands=False)

@@ -8,8 +8,11 @@ is a whole archive; PostgreSQL or a REST catalog for production).
 
 What has been archived is recorded in the table itself, in the same commit as the data: the
 property ``hub-ingest.archived.<stream>`` holds the highest ``hub_seq`` of each aggregate
-stream. A batch run again after a kill (or a whole new checkpoint) only writes rows above
-it, so the table and Spark's checkpoint can never disagree into a duplicate or a gap.
+stream, and ``hub-ingest.made.<stream>`` when that stream was made. A batch run again after
+a kill (or a whole new checkpoint) only writes rows above it, so the table and Spark's
+checkpoint can never disagree into a duplicate or a gap; a stream made anew (deleted and
+provisioned again, or on a hub that lost its store) numbers from 1 again, and its rows are
+archived from there.
 
 Every file pyiceberg writes (manifests, manifest lists, ``metadata.json``) is fsynced before
 the catalog points at it (`SyncedFileIO`): a power cut cannot leave the catalog pointing at
@@ -18,6 +21,7 @@ a torn file.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -44,6 +48,7 @@ log = structlog.get_logger(__name__)
 
 PARTITION_COLUMN = "date"
 ARCHIVED = "hub-ingest.archived."  # + aggregate stream name: its highest archived hub_seq
+MADE = "hub-ingest.made."  # + aggregate stream name: when that stream was made (`made_at`)
 DATA_DIR = "data"
 PROPERTIES = {
     "format-version": "2",
@@ -195,17 +200,39 @@ def create_or_evolve(config: IngestConfig, schema: pa.Schema) -> Table:
     return table
 
 
-def archived(table: Table) -> dict[str, int]:
-    """Per aggregate stream, the highest ``hub_seq`` the table holds (committed)."""
+def archived(table: Table, made: Mapping[str, str] | None = None) -> dict[str, int]:
+    """Per aggregate stream, the highest ``hub_seq`` the table holds (committed). With `made`
+    (each stream's `made_at` now), a stream made anew since is left out: its sequences
+    started again from 1, and none of them is archived."""
     props = table.properties
-    return {k.removeprefix(ARCHIVED): int(v) for k, v in props.items() if k.startswith(ARCHIVED)}
+    seqs = {k.removeprefix(ARCHIVED): int(v) for k, v in props.items() if k.startswith(ARCHIVED)}
+    if made is None:
+        return seqs
+    # An archive older than the record of `made_at` holds none: its streams are taken as they are.
+    return {s: n for s, n in seqs.items() if props.get(f"{MADE}{s}", made.get(s)) == made.get(s)}
 
 
-def commit(table: Table, files: list[str], seqs: dict[str, int], summary: dict[str, str]) -> None:
-    """Add `files` and advance the archived sequences, as one snapshot (`summary` in it)."""
+def made_at(table: Table) -> dict[str, str]:
+    """Per aggregate stream, when the stream the table's rows of it came from was made."""
+    props = table.properties
+    return {k.removeprefix(MADE): v for k, v in props.items() if k.startswith(MADE)}
+
+
+def commit(
+    table: Table,
+    files: list[str],
+    seqs: Mapping[str, int],
+    summary: dict[str, str],
+    made: Mapping[str, str],
+) -> None:
+    """Add `files` and advance the archived sequences of streams made at `made`, as one
+    snapshot (`summary` in it)."""
     try:
         with table.transaction() as tx:
-            tx.set_properties({f"{ARCHIVED}{stream}": str(seq) for stream, seq in seqs.items()})
+            tx.set_properties(
+                {f"{ARCHIVED}{stream}": str(seq) for stream, seq in seqs.items()}
+                | {f"{MADE}{stream}": made[stream] for stream in seqs if made.get(stream)}
+            )
             tx.add_files(files, snapshot_properties=summary, check_duplicate_files=False)
     except CommitFailedException as exc:
         raise ArchiveError(

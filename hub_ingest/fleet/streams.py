@@ -12,6 +12,7 @@ from typing import Any
 
 from nats.js import JetStreamContext
 from nats.js.api import StreamInfo
+from nats.js.errors import NotFoundError
 
 from edge_agent.protocol.errors import StreamError
 from edge_agent.protocol.units import format_size
@@ -93,6 +94,23 @@ async def every_stream(js: JetStreamContext) -> list[StreamInfo]:
     while page := await js.streams_info(offset=len(infos)):
         infos.extend(page)
     return infos
+
+
+def made_at(info: StreamInfo) -> str:
+    """When a stream was made, which tells a stream made anew under the same name (its
+    sequences start again from 1) from the one before; kept by nats-server through restarts."""
+    return info.created.isoformat() if info.created is not None else ""
+
+
+async def made_now(js: JetStreamContext, names: list[str]) -> dict[str, str]:
+    """`made_at` of each of `names` that exists."""
+    found = {}
+    for name in names:
+        try:
+            found[name] = made_at(await js.stream_info(name))
+        except NotFoundError:
+            continue
+    return found
 
 
 async def stream_names(js: JetStreamContext) -> list[str]:

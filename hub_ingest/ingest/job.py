@@ -58,7 +58,7 @@ from hub_ingest.archive.table import PARTITION_COLUMN, is_local
 from hub_ingest.core.config import HubConfig, IngestConfig
 from hub_ingest.core.connect import hub_connection
 from hub_ingest.core.errors import ConfigError, DataLossError, IngestError
-from hub_ingest.fleet.streams import aggregate_stream_names
+from hub_ingest.fleet.streams import aggregate_stream_names, made_now
 from hub_ingest.ingest.durability import SyncedBatches, only_run, repair
 from hub_ingest.ingest.sink import BatchCommit, TableSink, ensure_table, remove_unfinished
 from hub_ingest.ingest.source import FORMAT, SCHEMA, JetStreamDataSource
@@ -167,6 +167,11 @@ def archive_rows(spark: SparkSession, config: HubConfig, streams: list[str]) -> 
     return rows.withColumn(PARTITION_COLUMN, day)
 
 
+async def _made(config: HubConfig, streams: list[str]) -> dict[str, str]:
+    async with hub_connection(config, name="hub-ingest-job") as nc:
+        return await made_now(nc.jetstream(domain=config.nats.domain), streams)
+
+
 def _payload_schema(ddl: str) -> StructType:
     try:
         schema = StructType.fromDDL(ddl)
@@ -215,7 +220,7 @@ def ingest(
     repair(ing.checkpoint)  # what a power cut may have left of the last batches
     remove_unfinished(ing)
     synced = SyncedBatches.load(ing.checkpoint)
-    sink = TableSink(ing)
+    sink = TableSink(ing, lambda: asyncio.run(_made(config, streams)))
     query = start_query(spark, config, streams, sink, once=once)
     log.info("ingest_started", streams=streams, once=once, archive=str(config.ingest.archive))
     batches: list[BatchProgress] = []
@@ -314,7 +319,9 @@ def _lag(progress: Any) -> int:
     lag = 0
     for source in progress.sources:
         end, latest = _offset(source.endOffset), _offset(source.latestOffset)
-        lag += sum(max(seq - end.get(name, 0), 0) for name, seq in latest.items())
+        lag += sum(
+            max(seq - end.get(name, 0), 0) for name, seq in latest.items() if isinstance(seq, int)
+        )
     return lag
 
 
@@ -352,7 +359,7 @@ def _log_progress(progress: Any) -> BatchProgress:
     return batch
 
 
-def _offset(raw: str | None) -> dict[str, int]:
+def _offset(raw: str | None) -> dict[str, Any]:
     value = json.loads(raw) if raw else None
     return value if isinstance(value, dict) else {}
 

@@ -1,7 +1,8 @@
 """Each micro-batch into the archive table: executors write the files, the driver commits.
 
 Spark's ``foreachBatch`` calls `TableSink` on the driver with the batch's rows and id. Rows
-the table already holds (at or below ``hub-ingest.archived.<stream>``) are dropped, the rest
+the table already holds (at or below ``hub-ingest.archived.<stream>``, unless the stream was
+made anew since: see `hub_ingest.archive.table`) are dropped, the rest
 are written by the executors as Parquet under ``data/batch-<id>-<attempt>/``, fsynced, and
 committed as one snapshot that also advances the archived sequences. A kill before the
 commit leaves files no snapshot lists (`remove_unfinished` deletes them at the next start);
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 
 import pyarrow as pa
@@ -70,8 +72,9 @@ def remove_unfinished(config: IngestConfig) -> int:
 class TableSink:
     """The ``foreachBatch`` function of the ingest query; `commits` lists what it did."""
 
-    def __init__(self, config: IngestConfig) -> None:
+    def __init__(self, config: IngestConfig, made: Callable[[], Mapping[str, str]]) -> None:
         self.config = config
+        self.made = made  # each aggregate stream's `made_at` on the hub now
         self.commits: list[BatchCommit] = []
 
     def __call__(self, rows: DataFrame, batch_id: int) -> None:
@@ -80,7 +83,8 @@ class TableSink:
         archive = table.load(self.config)
         if archive is None:
             raise ArchiveError(f"the archive table {self.config.table} is gone")
-        done = table.archived(archive)
+        made = self.made()
+        done = table.archived(archive, made)
         fresh = rows.where(_unarchived(done)) if done else rows
         out = f"{table.location(self.config.archive)}/{DATA_DIR}/{BATCH_PREFIX}{batch_id:08d}-"
         out += uuid.uuid4().hex[:8]  # an attempt's own directory: a killed one leaves no mix
@@ -95,7 +99,14 @@ class TableSink:
             return
         failpoints.reach("before_commit")
         table.sync_files(files)
-        table.commit(archive, files, _highest(keys), {BATCH: str(batch_id)})
+        seqs = _highest(keys)
+        if remade := sorted(s for s in seqs if self.made().get(s) != made.get(s)):
+            table.remove_tree(out)
+            raise ArchiveError(
+                f"{remade[0]} was made anew on the hub while this batch ran: nothing of the "
+                "batch was committed; run again"
+            )
+        table.commit(archive, files, seqs, {BATCH: str(batch_id)}, made)
         failpoints.reach("after_commit")
         self._record(
             BatchCommit(

@@ -4,7 +4,10 @@ the wire reader (`hub_ingest.ingest.wire`) and the Arrow columns (`hub_ingest.ar
 
 Offsets are ``{stream: last sequence read}``, kept only in Spark's checkpoint: nothing is
 acknowledged on the server, so the checkpoint is the single cursor (as with Spark's Kafka
-source) and a batch re-run after a crash reads exactly the same sequence range again.
+source) and a batch re-run after a crash reads exactly the same sequence range again. Beside
+them, ``"made"`` holds when each stream was made (`hub_ingest.fleet.streams.made_at`): a
+stream made anew under the same name (deleted and provisioned again, or on a hub that lost
+its store) numbers from 1 again, and is read from there, not from the old one's offset.
 Partitions are sequence ranges of one stream. An executor reads its range through an
 ephemeral pull consumer that starts at the range's first sequence and acks nothing (it is
 deleted after the read, or expires if the task dies); deliveries carry each message's stream
@@ -70,6 +73,7 @@ from hub_ingest.archive.columns import (
 from hub_ingest.core import failpoints
 from hub_ingest.core.errors import ConfigError, DataLossError, IngestError
 from hub_ingest.fleet.latest import heartbeat_subject
+from hub_ingest.fleet.streams import made_at
 from hub_ingest.ingest.wire import FrameClient, connect, consume_range, get_headers
 
 log = structlog.get_logger(__name__)
@@ -177,6 +181,16 @@ class StreamState:
     first_seq: int
     last_seq: int
     messages: int
+    made: str  # `made_at`
+
+
+_MADE = "made"  # the offsets' key for when each stream was made
+
+
+def _remade(start: Mapping[str, Any], made: Mapping[str, str], name: str) -> bool:
+    """Whether `name` was made anew since the offsets `start` (which then do not apply)."""
+    then = (start.get(_MADE) or {}).get(name)
+    return then is not None and then != made.get(name)
 
 
 class JetStreamDataSource(DataSource):
@@ -204,8 +218,9 @@ class JetStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def _states(self) -> dict[str, StreamState]:
         return asyncio.run(_stream_states(self.options))
 
-    def initialOffset(self) -> dict[str, int]:
-        return {name: _before(state) for name, state in self._states().items()}
+    def initialOffset(self) -> dict[str, Any]:
+        states = self._states()
+        return {name: _before(state) for name, state in states.items()} | _made(states)
 
     def getDefaultReadLimit(self) -> ReadLimit:
         limit = self.options.max_messages_per_trigger
@@ -215,11 +230,13 @@ class JetStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         # Messages arriving after this call belong to the next run.
         self._target = {name: s.last_seq for name, s in self._states().items()}
 
-    def reportLatestOffset(self) -> dict[str, int]:
-        return {name: s.last_seq for name, s in self._states().items()}
-
-    def latestOffset(self, start: dict[str, int], limit: ReadLimit) -> dict[str, int]:
+    def reportLatestOffset(self) -> dict[str, Any]:
         states = self._states()
+        return {name: s.last_seq for name, s in states.items()} | _made(states)
+
+    def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
+        states = self._states()
+        made = {name: state.made for name, state in states.items()}
         end: dict[str, int] = {}
         available: dict[str, int] = {}
         for name, state in states.items():
@@ -229,6 +246,9 @@ class JetStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 end[name] = _before(state)
                 continue
             begin = start[name]
+            if _remade(start, made, name):
+                log.warning("aggregate_made_anew", stream=name, read_to=begin, made=state.made)
+                begin = 0
             if state.first_seq > begin + 1:  # also when retention emptied the stream
                 lost = DataLossError(name, begin + 1, state.first_seq - 1)
                 if self.options.fail_on_data_loss:
@@ -243,12 +263,21 @@ class JetStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         budget = limit.max_rows if isinstance(limit, ReadMaxRows) else None
         for name, take in _share(available, budget).items():
             end[name] += take
-        # Never move backwards, even if a stream was purged and recreated behind our back.
-        return {name: max(seq, start.get(name, seq)) for name, seq in end.items()}
+        # Never move backwards on the same stream (a purge keeps its last sequence).
+        return {
+            name: seq if _remade(start, made, name) else max(seq, start.get(name, seq))
+            for name, seq in end.items()
+        } | _made(states)
 
-    def partitions(self, start: dict[str, int], end: dict[str, int]) -> list[SeqRange]:
-        # A stream new to the query reads nothing in this batch (see `latestOffset`).
-        ranges = {name: (start.get(name, end[name]) + 1, end[name]) for name in sorted(end)}
+    def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> list[SeqRange]:
+        # A stream new to the query reads nothing in this batch (see `latestOffset`); one
+        # made anew reads from its start.
+        made = end.get(_MADE) or {}
+        ranges = {
+            name: ((0 if _remade(start, made, name) else start.get(name, seq)) + 1, seq)
+            for name, seq in sorted(end.items())
+            if name != _MADE
+        }
         total = sum(max(last - first + 1, 0) for first, last in ranges.values())
         step = min(
             self.options.messages_per_partition, _ceil_div(total, self.options.min_partitions)
@@ -267,8 +296,12 @@ class JetStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             failpoints.reach("mid_write")
         yield asyncio.run(_read_range(self.options, partition))
 
-    def commit(self, end: dict[str, int]) -> None:
+    def commit(self, end: dict[str, Any]) -> None:
         """Nothing to do: the checkpoint, not the server, remembers what was read."""
+
+
+def _made(states: Mapping[str, StreamState]) -> dict[str, dict[str, str]]:
+    return {_MADE: {name: state.made for name, state in states.items()}}
 
 
 def _before(state: StreamState) -> int:
@@ -296,8 +329,9 @@ async def _stream_states(options: SourceOptions) -> dict[str, StreamState]:
         js = nc.jetstream(domain=options.domain)
         states = {}
         for name in options.streams:
-            s = (await js.stream_info(name)).state
-            states[name] = StreamState(s.first_seq, s.last_seq, s.messages)
+            info = await js.stream_info(name)
+            s = info.state
+            states[name] = StreamState(s.first_seq, s.last_seq, s.messages, made_at(info))
         return states
     finally:
         await nc.close()

@@ -44,5 +44,5 @@ def commit(config: IngestConfig, rows: pa.Table) -> list[str]:
         pq.write_table(rows.filter(pc.equal(rows["date"], day)), part)
         files.append(f"file://{part}")
     highest = rows.group_by("hub_stream").aggregate([("hub_seq", "max")]).to_pylist()
-    table.commit(archive, files, {r["hub_stream"]: r["hub_seq_max"] for r in highest}, {})
+    table.commit(archive, files, {r["hub_stream"]: r["hub_seq_max"] for r in highest}, {}, {})
     return files
