@@ -82,7 +82,7 @@ async def drained(
 def leftovers(listed: Iterable[Mapping[str, Any]], registered: set[str]) -> list[Leftover]:
     """The product's hub mirrors and ``CMD_<id>`` streams in `listed` (``STREAM.LIST``
     entries) whose device is not in `registered`."""
-    found = []
+    found: list[Leftover] = []
     for info in listed:
         config = info.get("config") or {}
         name, metadata = str(config.get("name", "")), config.get("metadata") or {}
@@ -90,8 +90,9 @@ def leftovers(listed: Iterable[Mapping[str, Any]], registered: set[str]) -> list
             continue
         device_id = metadata.get("device-id")
         if config.get("mirror") and device_id and device_id not in registered:
+            # A mirror of a kind no shard collects is not known to be archived: kept.
             kinds = [a for a in AGGREGATES if a.device_stream == metadata.get("device-stream")]
-            found.append(Leftover(name, device_id, kinds[0] if kinds else None))
+            found.extend(Leftover(name, device_id, kind) for kind in kinds[:1])
         elif name.startswith(_CMD_PREFIX) and name.removeprefix(_CMD_PREFIX) not in registered:
             found.append(Leftover(name, name.removeprefix(_CMD_PREFIX), None))
     return found
@@ -104,15 +105,17 @@ async def delete_leftovers(
     shard holds; the streams deleted."""
     registry = await Registry.open(js)
     names = [str((i.get("config") or {}).get("name")) for i in listed]
-    deleted = []
+    unheld = []
     for leftover in leftovers(listed, {d.device_id for d in await registry.list()}):
-        if leftover.kind is not None:
-            kind = leftover.kind
-            shards = [n for n in names for k in shard_of(n) if n == kind.stream_name(k)]
-            if await _rows_held(nc, api, shards, leftover.device_id):
-                continue
-        # Read again just before: a device enrolled again since the listing keeps its own.
-        if leftover.device_id in {d.device_id for d in await registry.list()}:
+        kind = leftover.kind
+        shards = [n for n in names for k in shard_of(n) if kind and n == kind.stream_name(k)]
+        if not await _rows_held(nc, api, shards, leftover.device_id):
+            unheld.append(leftover)
+    # Read again: a device enrolled again since the listing keeps its streams.
+    registered = {d.device_id for d in await registry.list()}
+    deleted = []
+    for leftover in unheld:
+        if leftover.device_id in registered:
             continue
         try:
             await js.delete_stream(leftover.stream)
