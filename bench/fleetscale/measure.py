@@ -216,7 +216,8 @@ async def trim_everything(fleet: Fleet) -> float:
     shards = await aggregate_stream_names(hub.js)
     archived = {name: (await hub.js.stream_info(name)).state.last_seq for name in shards}
     start = time.monotonic()
-    trimmed = await trim_hub(hub.js, hub.nc, config, archived)
+    devices = await (await Registry.open(hub.js)).list()
+    trimmed = await trim_hub(hub.js, hub.nc, config, archived, devices)
     seconds = time.monotonic() - start
     streams = len(trimmed.streams)
     print(f"trim: {trimmed.messages} messages, {streams} streams, {seconds:.2f} s", flush=True)

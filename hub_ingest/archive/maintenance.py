@@ -229,6 +229,7 @@ async def trim(config: HubConfig) -> TrimReport:
         made = await made_now(js, await aggregate_stream_names(js))
         archived = table.archived(archive, made) if archive is not None else {}
         # Every command result counted before an events shard loses it.
+        devices = await (await Registry.open(js)).list()
         index = await CommandIndex.open(js, config.replicas)
-        await index.catch_up(event_streams(await (await Registry.open(js)).list()), commands=False)
-        return await trim_hub(js, nc, config, archived)
+        await index.catch_up(event_streams(devices), commands=False)
+        return await trim_hub(js, nc, config, archived, devices)

@@ -131,13 +131,18 @@ async def _next_sourced(
     return None
 
 
+async def source_lags(nc: Client, api: str, aggregate: str) -> dict[str, int | None]:
+    """How far behind each of `aggregate`'s sources it is, by name (None: in error)."""
+    reply = await nc.request(f"{api}.STREAM.INFO.{aggregate}", b"", timeout=10)
+    return {
+        str(source["name"]): None if source.get("error") else int(source.get("lag", 0))
+        for source in json.loads(reply.data).get("sources") or []
+    }
+
+
 async def sourced_all(nc: Client, api: str, target: Target) -> bool:
     """Whether the aggregate has sourced everything the mirror holds (no lag)."""
-    reply = await nc.request(f"{api}.STREAM.INFO.{target.aggregate}", b"", timeout=10)
-    for source in json.loads(reply.data).get("sources") or []:
-        if source.get("name") == target.mirror:
-            return int(source.get("lag", 1)) == 0 and source.get("error") is None
-    return False
+    return (await source_lags(nc, api, target.aggregate)).get(target.mirror) == 0
 
 
 @dataclass(frozen=True, slots=True)

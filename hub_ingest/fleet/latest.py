@@ -12,19 +12,17 @@ from __future__ import annotations
 import base64
 import json
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
 from edge_agent.protocol.release import update_subject
 from hub_ingest.core.buckets import LATEST, bucket_stream, open_bucket
-from hub_ingest.core.replies import direct_get
+from hub_ingest.core.replies import Stored, last_messages
 from hub_ingest.fleet.registry import Device
 from hub_ingest.fleet.streams import AGGREGATES
 
 _EVENTS = AGGREGATES[1]
-_BATCH = 256  # subjects a batched direct get asks for
 
 
 def heartbeat_subject(device_id: str) -> str:
@@ -37,19 +35,10 @@ def update_report_subject(device_id: str) -> str:
     return f"fleet.{device_id}.{update_subject(device_id)}"
 
 
-@dataclass(frozen=True, slots=True)
-class Latest:
-    """A device's latest message on a subject, as its events shard stored it."""
-
-    seq: int  # in the shard
-    subject: str
-    time: str  # when the shard stored it (RFC 3339)
-    data: bytes
-
-    def to_json(self) -> bytes:
-        return json.dumps(
-            {"seq": self.seq, "time": self.time, "data": base64.b64encode(self.data).decode()}
-        ).encode()
+def _to_json(latest: Stored) -> bytes:
+    return json.dumps(
+        {"seq": latest.seq, "time": latest.time, "data": base64.b64encode(latest.data).decode()}
+    ).encode()
 
 
 async def keep_latest(
@@ -62,50 +51,30 @@ async def keep_latest(
         for d in devices
         for s in (heartbeat_subject(d.device_id), update_report_subject(d.device_id))
     ]
-    kept = [m for m in await _last_messages(js, shard, subjects) if m.seq < below]
+    found = await last_messages(js._nc, js._prefix, shard, subjects)
+    kept = [m for m in found.values() if m.seq < below]
     if kept:
         kv = await open_bucket(js, LATEST, replicas=replicas, direct=True)
         for latest in kept:
-            await kv.put(latest.subject, latest.to_json())
+            await kv.put(latest.subject, _to_json(latest))
     return len(kept)
 
 
-async def latest(js: JetStreamContext, subjects: Sequence[str]) -> dict[str, Latest]:
-    """The kept latest message on each of `subjects` that the bucket has, by subject."""
+async def latest(js: JetStreamContext, subjects: Sequence[str]) -> dict[str, Stored]:
+    """The kept latest message on each of `subjects` that the bucket has, by subject (its
+    sequence and time those of the events shard that held it)."""
     try:
         await js.stream_info(bucket_stream(LATEST))
     except NotFoundError:
         return {}  # nothing trimmed yet on this hub
     keys = [f"$KV.{LATEST}.{s}" for s in subjects]
     found = {}
-    for msg in await _last_messages(js, bucket_stream(LATEST), keys):
+    for key, msg in (await last_messages(js._nc, js._prefix, bucket_stream(LATEST), keys)).items():
         if not msg.data:
             continue  # a deleted key's marker
         raw = json.loads(msg.data)
-        subject = msg.subject.removeprefix(f"$KV.{LATEST}.")
-        found[subject] = Latest(
+        subject = key.removeprefix(f"$KV.{LATEST}.")
+        found[subject] = Stored(
             int(raw["seq"]), subject, raw["time"], base64.b64decode(raw["data"])
         )
-    return found
-
-
-async def _last_messages(
-    js: JetStreamContext, stream: str, subjects: Sequence[str]
-) -> list[Latest]:
-    """The last message on each of `subjects` in `stream` that has one: batched direct gets
-    in the domain `js` speaks to."""
-    found = []
-    for first in range(0, len(subjects), _BATCH):
-        chunk = list(subjects[first : first + _BATCH])
-        request = {"multi_last": chunk, "batch": len(chunk)}
-        for msg in await direct_get(js._nc, js._prefix, stream, request, timeout=10):
-            headers = msg.headers or {}
-            found.append(
-                Latest(
-                    int(headers["Nats-Sequence"]),
-                    headers["Nats-Subject"],
-                    headers.get("Nats-Time-Stamp", ""),
-                    msg.data,
-                )
-            )
     return found

@@ -28,8 +28,9 @@ from nats.js.kv import KeyValue
 
 from edge_agent.protocol.names import command_stream
 from hub_ingest.core.replies import direct_get
+from hub_ingest.fleet.aggregate_rows import source_lags
 from hub_ingest.fleet.gaps import Target
-from hub_ingest.fleet.registry import Registry
+from hub_ingest.fleet.registry import Device, Registry
 from hub_ingest.fleet.streams import AGGREGATES, MANAGED_BY, Aggregate, shard_of
 
 log = structlog.get_logger(__name__)
@@ -51,21 +52,16 @@ class Leftover:
 
 
 async def unsourced(js: JetStreamContext, targets: Iterable[Target]) -> dict[str, int]:
-    """Per mirror of `targets`, how many of its rows its shard has not sourced (missing
-    from the answer: all of them sourced)."""
+    """Per mirror of `targets`, how many of its rows its shard has not sourced (1 for a
+    source in error; missing from the answer: all of them sourced)."""
     by_aggregate: dict[str, set[str]] = {}
     for target in targets:
         by_aggregate.setdefault(target.aggregate, set()).add(target.mirror)
-    lags: dict[str, int] = {}
+    left: dict[str, int] = {}
     for aggregate, mirrors in by_aggregate.items():
-        try:
-            info = await js.stream_info(aggregate)
-        except nats.js.errors.NotFoundError:
-            continue
-        for source in info.sources or []:
-            if source.name in mirrors and (source.lag or source.error):
-                lags[source.name] = source.lag or 1
-    return lags
+        lags = await source_lags(js._nc, js._prefix, aggregate)
+        left |= {m: lag or 1 for m, lag in lags.items() if m in mirrors and lag != 0}
+    return left
 
 
 async def drained(
@@ -99,20 +95,26 @@ def leftovers(listed: Iterable[Mapping[str, Any]], registered: set[str]) -> list
 
 
 async def delete_leftovers(
-    js: JetStreamContext, nc: Client, api: str, kv: KeyValue, listed: Sequence[Mapping[str, Any]]
+    js: JetStreamContext,
+    nc: Client,
+    api: str,
+    kv: KeyValue,
+    *,
+    listed: Sequence[Mapping[str, Any]],
+    devices: Iterable[Device],
 ) -> list[str]:
-    """Delete each leftover whose device is still not registered and none of whose rows a
-    shard holds; the streams deleted."""
-    registry = await Registry.open(js)
+    """Delete each leftover (of a device not in `devices`, the registry read before `listed`)
+    whose device is still not registered and none of whose rows a shard holds; the streams
+    deleted."""
     names = [str((i.get("config") or {}).get("name")) for i in listed]
     unheld = []
-    for leftover in leftovers(listed, {d.device_id for d in await registry.list()}):
+    for leftover in leftovers(listed, {d.device_id for d in devices}):
         kind = leftover.kind
         shards = [n for n in names for k in shard_of(n) if kind and n == kind.stream_name(k)]
         if not await _rows_held(nc, api, shards, leftover.device_id):
             unheld.append(leftover)
     # Read again: a device enrolled again since the listing keeps its streams.
-    registered = {d.device_id for d in await registry.list()}
+    registered = {d.device_id for d in await (await Registry.open(js)).list()}
     deleted = []
     for leftover in unheld:
         if leftover.device_id in registered:

@@ -45,11 +45,11 @@ from hub_ingest.core.buckets import open_bucket
 from hub_ingest.core.config import HubConfig
 from hub_ingest.core.gather import REQUESTS_AT_ONCE, gather_bounded
 from hub_ingest.core.replies import direct_get
-from hub_ingest.fleet.aggregate_rows import sourced_row
+from hub_ingest.fleet.aggregate_rows import source_lags, sourced_row
 from hub_ingest.fleet.gaps import BUCKET, Target, expand, read_record, refilled_seqs
 from hub_ingest.fleet.latest import keep_latest
 from hub_ingest.fleet.provision import mirror_targets
-from hub_ingest.fleet.registry import Device, Registry
+from hub_ingest.fleet.registry import Device
 from hub_ingest.fleet.requests import Listed, deleted_seqs, states_of
 from hub_ingest.fleet.retired import delete_leftovers
 from hub_ingest.fleet.streams import AGGREGATES, shard_of, stream_list
@@ -94,13 +94,15 @@ async def trim_hub(
     nc: Client,
     config: HubConfig,
     archived: Mapping[str, int],
+    devices: list[Device],
+    *,
     now: datetime | None = None,
 ) -> TrimReport:
     """Purge what `archived` (aggregate stream → highest archived hub sequence) holds and is
-    older than ``ingest.keep_on_hub`` from the aggregate shards and their hub mirrors."""
+    older than ``ingest.keep_on_hub`` from the aggregate shards and their hub mirrors
+    (`devices`: the registry's)."""
     api = js_api(config.nats.domain)
     cutoff = (now or datetime.now(UTC)) - timedelta(seconds=config.ingest.keep_on_hub)
-    devices = await (await Registry.open(js)).list()
     targets = mirror_targets(devices)
     shards = {name for name in archived if shard_of(name)}
     every = await stream_list(js)
@@ -131,7 +133,7 @@ async def trim_hub(
             report.failed.append(shard)
     # After the shards: a removed device's mirror goes once they hold none of its rows.
     try:
-        report.deleted = await delete_leftovers(js, nc, api, hub.kv, every)
+        report.deleted = await delete_leftovers(js, nc, api, hub.kv, listed=every, devices=devices)
     except (nats.errors.Error, TimeoutError) as exc:
         log.warning("removed_device_streams_kept", error=repr(exc))  # the next run, then
     log.info(
@@ -167,7 +169,7 @@ async def _trim_shard(
         )
     if purged := await _purge(hub.nc, hub.api, shard, floor, state):
         report.streams.append(purged)
-    lags = await _source_lags(hub.nc, hub.api, shard)
+    lags = await source_lags(hub.nc, hub.api, shard)
     trims = (_trim_mirror(hub, target, floor, state, lags) for target, state in mirrors)
     report.streams.extend(t for t in await gather_bounded(trims, REQUESTS_AT_ONCE) if t)
 
@@ -183,15 +185,19 @@ class _Hub:
 
 
 async def _trim_mirror(
-    hub: _Hub, target: Target, aggregate_floor: int, state: Listed, lags: Mapping[str, int]
+    hub: _Hub,
+    target: Target,
+    aggregate_floor: int,
+    state: Listed,
+    lags: Mapping[str, int | None],
 ) -> Trimmed | None:
     if state.first > state.last:
         return None  # empty
     floor = await sourced_row(hub.nc, hub.api, target, aggregate_floor)
-    if floor is None and target.mirror in lags:
+    if floor is None and (lag := lags.get(target.mirror)) is not None:
         # The aggregate holds none of the mirror's rows from its floor on: all it sourced is
         # below it. The mirror's last sequence was listed before the lags, so this errs low.
-        floor = state.last - lags[target.mirror] + 1
+        floor = state.last - lag + 1
     if floor is None or not (purged := await _purge(hub.nc, hub.api, target.mirror, floor, state)):
         return None
     await _record_head(hub.kv, target, purged.first)
@@ -206,16 +212,6 @@ async def _first_since(nc: Client, api: str, stream: str, since: datetime) -> in
     if msgs:
         return int((msgs[0].headers or {})["Nats-Sequence"])
     return 2**63
-
-
-async def _source_lags(nc: Client, api: str, aggregate: str) -> dict[str, int]:
-    """How far behind each of `aggregate`'s sources it is, of those that work."""
-    reply = await nc.request(f"{api}.STREAM.INFO.{aggregate}", b"", timeout=10)
-    return {
-        str(source["name"]): int(source.get("lag", 0))
-        for source in json.loads(reply.data).get("sources") or []
-        if source.get("error") is None
-    }
 
 
 async def _unsettled(hub: _Hub, target: Target) -> bool:

@@ -39,6 +39,7 @@ from hub_ingest.commands.index import (
     tally_subject,
 )
 from hub_ingest.core.config import HubConfig
+from hub_ingest.core.replies import Stored
 from hub_ingest.fleet.admission_figures import (
     AdmissionFigures,
     figure_warnings,
@@ -59,7 +60,7 @@ from hub_ingest.report.heartbeats import (
     last_heartbeats,
     readings_dropped,
 )
-from hub_ingest.report.hub import OFFLINE, HubApi, Stored, linked_leaves, monitor_urls
+from hub_ingest.report.hub import OFFLINE, HubApi, linked_leaves, monitor_urls
 from hub_ingest.report.model import (
     SCHEMA,
     CommandCounts,

@@ -11,10 +11,11 @@ from nats.js import JetStreamContext
 
 from edge_agent.protocol.pack import READINGS
 from hub_ingest.commands.attribution import Attribution, attribute
+from hub_ingest.core.replies import Stored
 from hub_ingest.fleet.latest import heartbeat_subject, latest
 from hub_ingest.fleet.registry import Device
 from hub_ingest.fleet.streams import AGGREGATES
-from hub_ingest.report.hub import HubApi, Stored
+from hub_ingest.report.hub import HubApi
 
 EVENTS = next(a for a in AGGREGATES if a.device_stream == "EVENTS")
 
@@ -97,4 +98,4 @@ async def last_heartbeats(
             found |= await api.last_messages(stream, wanted)
     missing = [s for wanted in subjects.values() for s in wanted if s not in found]
     kept = await latest(js, missing) if missing else {}
-    return found | {s: Stored(k.seq, k.subject, k.time, k.data) for s, k in kept.items()}
+    return found | kept

@@ -8,17 +8,15 @@ import json
 import urllib.parse
 import urllib.request
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import nats.errors
 from nats.aio.client import Client
-from nats.aio.msg import Msg
 
 from edge_agent.protocol.names import js_api
 from hub_ingest.core.config import HubConfig, ServerConfig
 from hub_ingest.core.errors import ReportError
-from hub_ingest.core.replies import direct_get
+from hub_ingest.core.replies import Stored, direct_get, last_messages
 
 # JetStream's err_code for "stream not found" and "no message found".
 _NOT_FOUND_CODES = (10059, 10037)
@@ -26,29 +24,9 @@ _NOT_FOUND_CODES = (10059, 10037)
 _UNAVAILABLE_CODE = 10008
 # A stream whose node went down is not answered for at all; the report does not wait long.
 _DEVICE_STREAM_TIMEOUT_S = 2.0
-_BATCH = 256  # messages (or subjects' last messages) per direct get
+_BATCH = 256  # messages per direct get
 # What `device_stream_info` answers for a device stream that cannot be read right now.
 OFFLINE = "offline: the hub node that holds it is down"
-
-
-@dataclass(frozen=True, slots=True)
-class Stored:
-    """A stream's message as a direct get answers it."""
-
-    seq: int
-    subject: str
-    time: str  # when the stream stored it (RFC 3339)
-    data: bytes
-
-    @classmethod
-    def of(cls, msg: Msg) -> Stored:
-        headers = msg.headers or {}
-        return cls(
-            int(headers["Nats-Sequence"]),
-            headers["Nats-Subject"],
-            headers.get("Nats-Time-Stamp", ""),
-            msg.data,
-        )
 
 
 class HubApi:
@@ -126,15 +104,8 @@ class HubApi:
         return found
 
     async def last_messages(self, stream: str, subjects: Sequence[str]) -> dict[str, Stored]:
-        """The last message on each of `subjects` in `stream` that has one, by subject: a
-        batched direct get per `_BATCH` subjects, where asking subject by subject costs a
-        request each."""
-        found: dict[str, Stored] = {}
-        for first in range(0, len(subjects), _BATCH):
-            chunk = list(subjects[first : first + _BATCH])
-            for msg in await self._direct_get(stream, {"multi_last": chunk, "batch": len(chunk)}):
-                found[msg.subject] = msg
-        return found
+        """The last message on each of `subjects` in `stream` that has one, by subject."""
+        return await last_messages(self._nc, self._prefix, stream, subjects, self._timeout)
 
     async def _direct_get(self, stream: str, request: dict[str, Any]) -> list[Stored]:
         msgs = await direct_get(self._nc, self._prefix, stream, request, self._timeout)
