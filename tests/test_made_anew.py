@@ -10,8 +10,9 @@ import json
 import pytest
 from pyspark.sql import SparkSession
 
-from hub_ingest.archive import maintenance
+from hub_ingest.archive import maintenance, table
 from hub_ingest.archive.audit import audit_archive
+from hub_ingest.fleet.streams import made_at
 from tests.support.cluster import Device, Hub
 from tests.support.ingest import ingest_config, run_once
 from tests.support.waiting import eventually
@@ -57,3 +58,30 @@ async def test_an_aggregate_made_anew_is_archived_from_its_start(
     (audit,) = [d for d in audit_archive(config.ingest).devices if d.hub_stream == AGGREGATE]
     assert (audit.rows, audit.duplicates, audit.missing) == (65, 0, ()), audit
     assert (audit.first_seq, audit.last_seq) == (1, 65)
+
+
+@pytest.mark.spark
+async def test_what_a_stream_made_anew_sources_again_is_archived_once(
+    hub: Hub, spark: SparkSession
+) -> None:
+    """Made anew, an aggregate sources again everything the hub mirrors hold, archived rows
+    among them (here all 30: nothing was trimmed): the archive keeps one of each."""
+    a = await hub.device("a", heartbeat_interval="1h")
+    await _publish(hub, a, 1, 30, held=30)
+    config = ingest_config(hub)
+    await run_once(spark, config)
+
+    await hub.js.delete_stream(AGGREGATE)
+    await hub.provision()
+    await _publish(hub, a, 31, 10, held=40)  # 1..30 sourced again, then 31..40
+    await run_once(spark, config)
+    await _publish(hub, a, 41, 5, held=45)
+    await run_once(spark, config)
+
+    (audit,) = [d for d in audit_archive(config.ingest).devices if d.hub_stream == AGGREGATE]
+    assert (audit.rows, audit.duplicates, audit.missing) == (45, 0, ()), audit
+    archive = table.load(config.ingest)
+    assert archive is not None
+    made = made_at(await hub.js.stream_info(AGGREGATE))
+    # Within the hour after its making, later batches look for rows sourced again too.
+    assert archive.properties[f"{table.REMADE}{AGGREGATE}"] == made

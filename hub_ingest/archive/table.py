@@ -12,7 +12,8 @@ stream, and ``hub-ingest.made.<stream>`` when that stream was made. A batch run 
 a kill (or a whole new checkpoint) only writes rows above it, so the table and Spark's
 checkpoint can never disagree into a duplicate or a gap; a stream made anew (deleted and
 provisioned again, or on a hub that lost its store) numbers from 1 again, and its rows are
-archived from there.
+archived from there (``hub-ingest.remade.<stream>`` marks it while what it sourced again is
+looked up by key: `hub_ingest.ingest.sink`).
 
 Every file pyiceberg writes (manifests, manifest lists, ``metadata.json``) is fsynced before
 the catalog points at it (`SyncedFileIO`): a power cut cannot leave the catalog pointing at
@@ -49,6 +50,7 @@ log = structlog.get_logger(__name__)
 PARTITION_COLUMN = "date"
 ARCHIVED = "hub-ingest.archived."  # + aggregate stream name: its highest archived hub_seq
 MADE = "hub-ingest.made."  # + aggregate stream name: when that stream was made (`made_at`)
+REMADE = "hub-ingest.remade."  # + aggregate stream name: when it was made anew ("": settled)
 DATA_DIR = "data"
 PROPERTIES = {
     "format-version": "2",
@@ -218,20 +220,35 @@ def made_at(table: Table) -> dict[str, str]:
     return {k.removeprefix(MADE): v for k, v in props.items() if k.startswith(MADE)}
 
 
+def remade(table: Table, made: Mapping[str, str]) -> dict[str, str]:
+    """The streams made anew (`made`: each one's `made_at` now) since the table last had
+    rows of them, or made anew before and not since: what they sourced again when they were
+    made may be archived already."""
+    props = table.properties
+    return {
+        s: when
+        for s, when in made.items()
+        if props.get(f"{MADE}{s}", when) != when or props.get(f"{REMADE}{s}") == when
+    }
+
+
 def commit(
     table: Table,
     files: list[str],
     seqs: Mapping[str, int],
     summary: dict[str, str],
     made: Mapping[str, str],
+    *,
+    remade: Mapping[str, str] | None = None,
 ) -> None:
-    """Add `files` and advance the archived sequences of streams made at `made`, as one
-    snapshot (`summary` in it)."""
+    """Add `files` and advance the archived sequences of streams made at `made` (`remade`:
+    of those, the ones made anew), as one snapshot (`summary` in it)."""
     try:
         with table.transaction() as tx:
             tx.set_properties(
                 {f"{ARCHIVED}{stream}": str(seq) for stream, seq in seqs.items()}
                 | {f"{MADE}{stream}": made[stream] for stream in seqs if made.get(stream)}
+                | {f"{REMADE}{stream}": when for stream, when in (remade or {}).items()}
             )
             tx.add_files(files, snapshot_properties=summary, check_duplicate_files=False)
     except CommitFailedException as exc:

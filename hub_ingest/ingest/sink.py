@@ -2,7 +2,8 @@
 
 Spark's ``foreachBatch`` calls `TableSink` on the driver with the batch's rows and id. Rows
 the table already holds (at or below ``hub-ingest.archived.<stream>``, unless the stream was
-made anew since: see `hub_ingest.archive.table`) are dropped, the rest
+made anew since: see `hub_ingest.archive.table`; of a stream made anew, the rows it sourced
+again that the table has by key) are dropped, the rest
 are written by the executors as Parquet under ``data/batch-<id>-<attempt>/``, fsynced, and
 committed as one snapshot that also advances the archived sequences. A kill before the
 commit leaves files no snapshot lists (`remove_unfinished` deletes them at the next start);
@@ -11,13 +12,17 @@ a kill after it makes Spark run the batch again, which then finds nothing left t
 
 from __future__ import annotations
 
+import functools
+import operator
 import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
+from datetime import datetime, timedelta
 
 import pyarrow as pa
 import structlog
+from pyiceberg.table import Table
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql.pandas.types import to_arrow_schema
@@ -33,6 +38,9 @@ log = structlog.get_logger(__name__)
 
 BATCH_PREFIX = "batch-"
 BATCH = "hub-ingest.batch"  # in each ingest snapshot's summary: the Spark batch it commits
+# A stream made anew sources again what the hub mirrors hold within this long of its making.
+RESOURCED_WITHIN = timedelta(hours=1)
+_KEY = ["hub_stream", "device_id", "incarnation", "device_seq"]  # a row's, in the archive
 # Spark's partitioned writer leaves its partition column out of the files, and Iceberg reads
 # the date from inside them: the directories are named after a copy of it.
 DIRECTORY_COLUMN = "day"
@@ -86,6 +94,29 @@ class TableSink:
         made = self.made()
         done = table.archived(archive, made)
         fresh = rows.where(_unarchived(done)) if done else rows
+        again = table.remade(archive, made)
+        if not again:
+            self._write(archive, fresh, batch_id, made=made, marks={}, started=started)
+            return
+        cached = fresh.persist()  # read once from the hub, for the look and the write
+        try:
+            fresh, within = _without_archived(cached, self.config, again)
+            # A stream made anew stays marked while its rows sourced again come (`within`).
+            marks = {s: made[s] if s in within else "" for s in again}
+            self._write(archive, fresh, batch_id, made=made, marks=marks, started=started)
+        finally:
+            cached.unpersist()
+
+    def _write(
+        self,
+        archive: Table,
+        fresh: DataFrame,
+        batch_id: int,
+        *,
+        made: Mapping[str, str],
+        marks: Mapping[str, str],
+        started: float,
+    ) -> None:
         out = f"{table.location(self.config.archive)}/{DATA_DIR}/{BATCH_PREFIX}{batch_id:08d}-"
         out += uuid.uuid4().hex[:8]  # an attempt's own directory: a killed one leaves no mix
         directory = fresh.withColumn(DIRECTORY_COLUMN, F.col(PARTITION_COLUMN))
@@ -106,7 +137,8 @@ class TableSink:
                 f"{remade[0]} was made anew on the hub while this batch ran: nothing of the "
                 "batch was committed; run again"
             )
-        table.commit(archive, files, seqs, {BATCH: str(batch_id)}, made)
+        marks = {s: mark for s, mark in marks.items() if s in seqs}
+        table.commit(archive, files, seqs, {BATCH: str(batch_id)}, made, remade=marks)
         failpoints.reach("after_commit")
         self._record(
             BatchCommit(
@@ -121,6 +153,34 @@ class TableSink:
     def _record(self, commit: BatchCommit) -> None:
         self.commits.append(commit)
         log.info("batch_committed", **asdict(commit))
+
+
+def _without_archived(
+    fresh: DataFrame, config: IngestConfig, remade: Mapping[str, str]
+) -> tuple[DataFrame, set[str]]:
+    """`fresh` without the rows of streams made anew (`remade`: when) that the archive holds
+    already, by key: a stream made anew sources again all the hub mirrors still hold, rows
+    archived from the stream before it among them. Only rows stored within
+    `RESOURCED_WITHIN` of its making are looked for; the streams that had such rows."""
+    near = F.lit(False)
+    for stream, when in remade.items():
+        until = datetime.fromisoformat(when) + RESOURCED_WITHIN
+        near = near | ((F.col("hub_stream") == stream) & (F.col("hub_time") < F.lit(until)))
+    pairs = fresh.where(near).select("hub_stream", PARTITION_COLUMN).distinct().collect()
+    if not pairs:
+        return fresh, set()
+    streams = ", ".join(sorted({f"'{p[0]}'" for p in pairs}))
+    days = ", ".join(sorted({f"'{p[1].isoformat()}'" for p in pairs}))
+    where = f"hub_stream IN ({streams}) AND {PARTITION_COLUMN} IN ({days})"
+    held = table.read(config, _KEY, row_filter=where)
+    within = {str(p[0]) for p in pairs}
+    if held is None or held.num_rows == 0:
+        return fresh, within
+    archived = fresh.sparkSession.createDataFrame(held)
+    same = functools.reduce(operator.and_, (fresh[c].eqNullSafe(archived[c]) for c in _KEY))
+    dropped = fresh.join(archived, same, "left_semi").count()
+    log.warning("rows_sourced_again_dropped", rows=dropped, streams=sorted(within))
+    return fresh.join(archived, same, "left_anti"), within
 
 
 def _unarchived(done: dict[str, int]) -> Column:
