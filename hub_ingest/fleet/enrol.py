@@ -86,8 +86,6 @@ class BulkChange:
     present: tuple[Device, ...]  # already registered as asked: left as they were
     reloaded: bool
     streams: list[Reconciled]
-    # A removed device's rows its shard had not sourced when it stopped (never archived).
-    unsourced: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,8 +19,8 @@ order there) or, when the shard holds none of it, below what the shard has not s
   goes are kept (`hub_ingest.fleet.latest`); the command index reads its results first
   (`hub_ingest.archive.maintenance.trim`).
 
-- A removed device's hub mirrors and ``CMD_<id>`` are deleted once the shards hold none of
-  its rows (`hub_ingest.fleet.retired`).
+- A removed device's ``CMD_<id>`` is deleted, and its hub mirrors once the shards hold none
+  of its rows (`hub_ingest.fleet.retired`).
 
 Not trimmed: ``FLEET_REFILL``, whose subjects make a refill happen once.
 """

@@ -220,7 +220,7 @@ class JetStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def initialOffset(self) -> dict[str, Any]:
         states = self._states()
-        return {name: _before(state) for name, state in states.items()} | _made(states)
+        return {name: _before(state) for name, state in states.items()} | _made_offsets(states)
 
     def getDefaultReadLimit(self) -> ReadLimit:
         limit = self.options.max_messages_per_trigger
@@ -232,7 +232,7 @@ class JetStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def reportLatestOffset(self) -> dict[str, Any]:
         states = self._states()
-        return {name: s.last_seq for name, s in states.items()} | _made(states)
+        return {name: s.last_seq for name, s in states.items()} | _made_offsets(states)
 
     def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
         states = self._states()
@@ -267,7 +267,7 @@ class JetStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return {
             name: seq if _remade(start, made, name) else max(seq, start.get(name, seq))
             for name, seq in end.items()
-        } | _made(states)
+        } | _made_offsets(states)
 
     def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> list[SeqRange]:
         # A stream new to the query reads nothing in this batch (see `latestOffset`); one
@@ -300,7 +300,7 @@ class JetStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         """Nothing to do: the checkpoint, not the server, remembers what was read."""
 
 
-def _made(states: Mapping[str, StreamState]) -> dict[str, dict[str, str]]:
+def _made_offsets(states: Mapping[str, StreamState]) -> dict[str, dict[str, str]]:
     return {_MADE: {name: state.made for name, state in states.items()}}
 
 
