@@ -33,7 +33,7 @@ from hub_ingest.commands.send import attribute
 from hub_ingest.core.config import IngestConfig
 from hub_ingest.fleet.gaps import Healed, Ranges, expand
 from hub_ingest.fleet.registry import Refusal
-from hub_ingest.fleet.streams import AGGREGATES, made_now
+from hub_ingest.fleet.streams import AGGREGATES, made_at
 
 _HEARTBEAT = re.compile(r"^evt\.[^.]+\.heartbeat$")
 _KEY_COLUMNS = ["device_id", "incarnation", "hub_stream", "device_seq", "hub_seq"]
@@ -229,11 +229,12 @@ async def backlog(
 ) -> list[StreamBacklog]:
     """Per aggregate stream: how many of its messages the archive does not have yet."""
     current = table.load(config)
-    made = await made_now(js, streams)
+    infos = {name: await js.stream_info(name) for name in streams}
+    made = {name: made_at(info) for name, info in infos.items()}
     archived = table.archived(current, made) if current is not None else {}
     out = []
-    for name in streams:
-        state = (await js.stream_info(name)).state
+    for name, info in infos.items():
+        state = info.state
         done = archived.get(name, 0)
         pending = state.messages if done < state.first_seq else max(state.last_seq - done, 0)
         out.append(StreamBacklog(name, state.last_seq, done, pending))

@@ -41,7 +41,7 @@ from hub_ingest.core.config import HubConfig, IngestConfig
 from hub_ingest.core.connect import hub_connection
 from hub_ingest.core.errors import ArchiveError
 from hub_ingest.fleet.registry import Registry
-from hub_ingest.fleet.streams import aggregate_stream_names, made_now
+from hub_ingest.fleet.streams import made_now
 from hub_ingest.fleet.trim import TrimReport, trim_hub
 
 log = structlog.get_logger(__name__)
@@ -226,8 +226,10 @@ async def trim(config: HubConfig) -> TrimReport:
     async with hub_connection(config, name="hub-ingest-trim") as nc:
         js = nc.jetstream(domain=config.nats.domain)
         # Of a stream made anew since, nothing is archived, whatever its sequences.
-        made = await made_now(js, await aggregate_stream_names(js))
-        archived = table.archived(archive, made) if archive is not None else {}
+        archived = {}
+        if archive is not None:
+            made = await made_now(js, list(table.archived(archive)))
+            archived = table.archived(archive, made)
         # Every command result counted before an events shard loses it.
         devices = await (await Registry.open(js)).list()
         index = await CommandIndex.open(js, config.replicas)

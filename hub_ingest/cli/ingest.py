@@ -73,7 +73,7 @@ async def _trim(config: HubConfig, args: argparse.Namespace) -> int:
     for shard in report.failed:
         print(f"{shard}: not trimmed, a request failed (hub-ingest's log says which)")
     for stream in report.deleted:
-        print(f"{stream}: deleted, its device was removed and its rows are archived")
+        print(f"{stream}: deleted, its device was removed (a mirror: its rows are archived)")
     print(f"{report.messages} messages purged from {len(report.streams)} streams")
     return 1 if report.failed else 0
 

@@ -18,9 +18,9 @@ from hub_ingest.core.errors import ProvisionError
 from hub_ingest.core.gather import REQUESTS_AT_ONCE, gather_bounded
 from hub_ingest.fleet.gaps import REFILL_STREAM
 from hub_ingest.fleet.streams import (
-    MANAGED_BY,
     SHARD_DELIVERIES,
     every_stream,
+    is_managed,
     shard_of,
     stream_list,
 )
@@ -65,7 +65,7 @@ def _ours(name: str) -> bool:
 def _clash(config: dict[str, Any], adopt: bool) -> str | None:
     """Why provisioning must not go on beside (or over) this existing stream, if it must not."""
     name = str(config.get("name"))
-    if (config.get("metadata") or {}).get("managed-by") == MANAGED_BY["managed-by"]:
+    if is_managed(config):
         return None
     if _ours(name):
         if adopt:

@@ -31,7 +31,7 @@ from edge_agent.protocol.pack import PACK_HEADER, pack_range
 from hub_ingest.core.buckets import GAPS, bucket_values
 from hub_ingest.core.config import HubConfig
 from hub_ingest.fleet.registry import Device, Incarnation, Registry
-from hub_ingest.fleet.streams import DEFAULT_DEDUP_WINDOW, dedup_window, mirror_name
+from hub_ingest.fleet.streams import DEFAULT_DEDUP_WINDOW, MANAGED_BY, dedup_window, mirror_name
 
 REFILL_STREAM = "FLEET_REFILL"
 REFILL_HEADER = "Edge-Refill-Of"  # <mirror> <device seq> <subject> <device store time>
@@ -53,7 +53,7 @@ def refill_stream(config: HubConfig) -> StreamConfig:
         max_bytes=config.aggregates.max_bytes,
         max_age=config.aggregates.max_age,
         allow_direct=True,
-        metadata={"managed-by": "hub-ingest"},
+        metadata=dict(MANAGED_BY),
         num_replicas=config.replicas,
     )
 

@@ -31,7 +31,7 @@ from hub_ingest.core.replies import direct_get
 from hub_ingest.fleet.aggregate_rows import source_lags
 from hub_ingest.fleet.gaps import Target
 from hub_ingest.fleet.registry import Device, Registry
-from hub_ingest.fleet.streams import AGGREGATES, MANAGED_BY, Aggregate, shard_of
+from hub_ingest.fleet.streams import AGGREGATES, Aggregate, is_managed, shard_of
 
 log = structlog.get_logger(__name__)
 
@@ -82,13 +82,14 @@ def leftovers(listed: Iterable[Mapping[str, Any]], registered: set[str]) -> list
     for info in listed:
         config = info.get("config") or {}
         name, metadata = str(config.get("name", "")), config.get("metadata") or {}
-        if metadata.get("managed-by") != MANAGED_BY["managed-by"]:
+        if not is_managed(config):
             continue
         device_id = metadata.get("device-id")
         if config.get("mirror") and device_id and device_id not in registered:
-            # A mirror of a kind no shard collects is not known to be archived: kept.
-            kinds = [a for a in AGGREGATES if a.device_stream == metadata.get("device-stream")]
-            found.extend(Leftover(name, device_id, kind) for kind in kinds[:1])
+            stream = metadata.get("device-stream")
+            kind = next((a for a in AGGREGATES if a.device_stream == stream), None)
+            if kind is not None:  # a mirror no shard collects is not known to be archived
+                found.append(Leftover(name, device_id, kind))
         elif name.startswith(_CMD_PREFIX) and name.removeprefix(_CMD_PREFIX) not in registered:
             found.append(Leftover(name, name.removeprefix(_CMD_PREFIX), None))
     return found

@@ -7,6 +7,7 @@ ingest, the report, the audit and the commands only need their names.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,6 +95,11 @@ async def every_stream(js: JetStreamContext) -> list[StreamInfo]:
     while page := await js.streams_info(offset=len(infos)):
         infos.extend(page)
     return infos
+
+
+def is_managed(config: Mapping[str, Any]) -> bool:
+    """Whether a stream's config (as the API answers it) carries hub-ingest's mark."""
+    return (config.get("metadata") or {}).get("managed-by") == MANAGED_BY["managed-by"]
 
 
 def made_at(info: StreamInfo) -> str:
